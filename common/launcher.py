@@ -1,0 +1,203 @@
+"""Start and stop Tandem services as local processes (the embedded, no-Docker deployment).
+
+`tandem up` and the integration tests both use this: each service is `python -m
+services.<name>.service` with its own ports, logs to run/<name>.log, and a state file
+(run/state.json) records what runs where so `tandem status` and `tandem down` find it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from common.config import DEFAULT_PORTS
+from common.models import repo_root
+
+SERVICES = ("verifier", "drafter", "prefix", "suffix", "dispatcher")
+PEER_FIELDS = {"verifier": "verifier", "drafter": "drafter", "prefix": "prefix", "suffix": "suffix"}
+
+
+def run_dir() -> Path:
+    return Path(os.environ.get("TANDEM_RUN_DIR", repo_root() / "run"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServiceProc:
+    name: str
+    endpoint: str          # ZMQ endpoint it binds
+    http_port: int
+    pid: int = 0
+    log: str = ""
+    cpus: list[int] = field(default_factory=list)
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.http_port}{path}"
+
+    def probe(self, path: str = "/readyz", timeout: float = 1.0) -> bool:
+        try:
+            with urllib.request.urlopen(self.url(path), timeout=timeout) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def alive(self) -> bool:
+        if not self.pid:
+            return False
+        try:
+            os.kill(self.pid, 0)
+        except OSError:
+            return False
+        try:  # a zombie child is not alive
+            pid, _ = os.waitpid(self.pid, os.WNOHANG)
+            return pid == 0
+        except ChildProcessError:
+            return True
+
+
+class Cluster:
+    """A set of local service processes."""
+
+    def __init__(self, services=SERVICES, ephemeral: bool = False, extra: dict | None = None,
+                 env: dict | None = None, logdir: Path | None = None,
+                 pin: dict[str, list[int]] | None = None):
+        self.ephemeral = ephemeral            # pick free ports (tests) instead of the defaults
+        self.extra = extra or {}              # per-service extra CLI flags {name: [...]}
+        self.env = env or {}
+        self.logdir = logdir or run_dir()
+        self.pin = pin or {}                  # per-service CPU affinity
+        self.procs: dict[str, ServiceProc] = {}
+        self._popen: dict[str, subprocess.Popen] = {}
+        for name in services:
+            zmq_port, http_port = DEFAULT_PORTS[name]
+            if ephemeral:
+                zmq_port, http_port = free_port(), free_port()
+            self.procs[name] = ServiceProc(name, f"tcp://127.0.0.1:{zmq_port}", http_port,
+                                           log=str(self.logdir / f"{name}.log"),
+                                           cpus=self.pin.get(name, []))
+
+    def endpoint(self, name: str) -> str:
+        return self.procs[name].endpoint
+
+    def argv(self, name: str) -> list[str]:
+        p = self.procs[name]
+        args = [sys.executable, "-m", f"services.{name}.service", "--bind", p.endpoint,
+                "--http-port", str(p.http_port)]
+        if name == "dispatcher":
+            for peer in PEER_FIELDS:
+                if peer in self.procs:
+                    args += [f"--{peer}", self.procs[peer].endpoint]
+        return args + [str(a) for a in self.extra.get(name, [])]
+
+    def start(self, name: str) -> ServiceProc:
+        p = self.procs[name]
+        self.logdir.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
+        env["PYTHONPATH"] = os.pathsep.join([str(repo_root()), env.get("PYTHONPATH", "")])
+        logf = open(p.log, "ab")
+        proc = subprocess.Popen(self.argv(name), stdout=logf, stderr=subprocess.STDOUT, env=env,
+                                cwd=str(repo_root()), start_new_session=True)
+        logf.close()
+        if p.cpus:
+            os.sched_setaffinity(proc.pid, p.cpus)
+        self._popen[name] = proc
+        p.pid = proc.pid
+        return p
+
+    def start_all(self) -> None:
+        for name in self.procs:
+            self.start(name)
+
+    def wait_ready(self, timeout: float = 180.0, names=None) -> None:
+        names = list(names or self.procs)
+        end = time.monotonic() + timeout
+        pending = set(names)
+        while pending:
+            for name in list(pending):
+                p = self.procs[name]
+                if p.probe():
+                    pending.discard(name)
+                elif not p.alive():
+                    raise RuntimeError(f"{name} exited during start-up; last log lines:\n"
+                                       + tail(p.log))
+            if pending and time.monotonic() > end:
+                raise TimeoutError(f"not ready after {timeout:.0f} s: {sorted(pending)}")
+            if pending:
+                time.sleep(0.2)
+
+    def stop(self, name: str, sig: int = signal.SIGTERM, timeout: float = 10.0) -> None:
+        p = self.procs[name]
+        proc = self._popen.pop(name, None)
+        if proc is not None:
+            if proc.poll() is None:
+                proc.send_signal(sig)
+                try:
+                    proc.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(5)
+        elif p.pid:
+            _terminate(p.pid, sig, timeout)
+        p.pid = 0
+
+    def kill(self, name: str) -> None:
+        self.stop(name, signal.SIGKILL)
+
+    def stop_all(self) -> None:
+        for name in reversed(list(self.procs)):
+            self.stop(name)
+
+    def save_state(self, path: Path | None = None) -> Path:
+        path = path or run_dir() / "state.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({n: asdict(p) for n, p in self.procs.items()}, indent=2))
+        return path
+
+    @classmethod
+    def from_state(cls, path: Path | None = None) -> "Cluster | None":
+        path = path or run_dir() / "state.json"
+        if not path.is_file():
+            return None
+        data = json.loads(path.read_text())
+        c = cls(services=())
+        for name, d in data.items():
+            c.procs[name] = ServiceProc(**d)
+        return c
+
+
+def _terminate(pid: int, sig: int, timeout: float) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        return
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def tail(path: str, n: int = 20) -> str:
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"

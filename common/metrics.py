@@ -1,0 +1,104 @@
+"""Every Prometheus metric Tandem exports, in one place (DESIGN.md §6).
+
+Names: prefix `tandem_`, base units, `_total` counters, histograms for latencies. Labels have low
+cardinality only (`service`, `mode`, `policy`, `cut`, `scheduler`, `phase`, `reason`, `code`,
+`position`) — never a session id. Each service process registers them all in the default
+registry; a metric a service never touches exports no samples (labelled children appear on
+first use), so dashboards only see what is real.
+"""
+
+from __future__ import annotations
+
+import resource
+
+from prometheus_client import Counter, Gauge, Histogram
+
+# Latency buckets from 100 µs to 60 s: covers one-token decode on a GPU and a slow WAN round trip.
+LATENCY = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25,
+           0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+SIZE = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128)
+
+# --- requests and tokens (dispatcher) -------------------------------------------------------
+REQUESTS = Counter("tandem_requests_total", "Client requests finished, by outcome",
+                   ["service", "mode", "policy", "outcome"])
+GENERATED_TOKENS = Counter("tandem_generated_tokens_total", "Tokens streamed to clients",
+                           ["service", "mode", "policy"])
+PROMPT_TOKENS = Counter("tandem_prompt_tokens_total", "Prompt tokens received",
+                        ["service", "mode"])
+ACTIVE_SESSIONS = Gauge("tandem_active_sessions", "Sessions currently open", ["service", "mode"])
+TTFT = Histogram("tandem_time_to_first_token_seconds", "Request arrival to first streamed token",
+                 ["service", "mode", "policy"], buckets=LATENCY)
+ITL = Histogram("tandem_inter_token_latency_seconds", "Gap between streamed tokens (per token)",
+                ["service", "mode", "policy"], buckets=LATENCY)
+TPT = Histogram("tandem_time_per_accepted_token_seconds",
+                "Request wall time / tokens emitted (PipeSD's TPT), per finished request",
+                ["service", "mode", "policy"], buckets=LATENCY)
+E2E = Histogram("tandem_request_duration_seconds", "Request arrival to last token",
+                ["service", "mode", "policy"], buckets=LATENCY)
+
+# --- speculative decoding, in vLLM's shape ------------------------------------------------
+SPEC_DRAFTS = Counter("tandem_spec_drafts_total", "Verification rounds (NAVs)",
+                      ["service", "policy"])
+SPEC_DRAFT_TOKENS = Counter("tandem_spec_draft_tokens_total", "Draft tokens verified",
+                            ["service", "policy"])
+SPEC_ACCEPTED = Counter("tandem_spec_accepted_tokens_total", "Draft tokens accepted",
+                        ["service", "policy"])
+SPEC_ACCEPTED_POS = Counter("tandem_spec_accepted_tokens_per_pos_total",
+                            "Accepted draft tokens by position in the round (0-based, capped)",
+                            ["service", "policy", "position"])
+SPEC_DRAFT_LEN = Histogram("tandem_spec_draft_length", "Draft tokens per verification round",
+                           ["service", "policy"], buckets=SIZE)
+SPEC_BATCH_SIZE = Histogram("tandem_spec_batch_tokens", "Draft tokens per transmitted batch",
+                            ["service", "policy"], buckets=SIZE)
+NAV_TRIGGERS = Counter("tandem_spec_nav_triggers_total", "NAV triggers by reason",
+                       ["service", "policy", "reason"])
+PROACTIVE = Counter("tandem_spec_proactive_tokens_total",
+                    "Proactively drafted tokens, kept or discarded", ["service", "outcome"])
+EARLY_REJECTS = Counter("tandem_spec_early_rejects_total",
+                        "Rounds ended early by a streaming-verification mismatch", ["service"])
+POLICY_PARAM = Gauge("tandem_spec_policy_parameter",
+                     "Current policy parameters: r1, r2, window (N̂), alpha/beta/gamma seconds",
+                     ["service", "policy", "name"])
+DP_REPLANS = Counter("tandem_spec_dp_replans_total", "DP batch-plan recomputations by reason",
+                     ["service", "reason"])
+BO_EVALUATIONS = Counter("tandem_spec_bo_evaluations_total", "Autotuner objective evaluations",
+                         ["service"])
+
+# --- split mode ---------------------------------------------------------------------------
+SPLIT_WINDOW_SIZE = Histogram("tandem_split_window_size", "Sessions per scheduling window",
+                              ["service", "scheduler"], buckets=SIZE)
+SPLIT_WINDOW_DEPTH = Histogram("tandem_split_window_depth_layers",
+                               "Deepest minus shallowest cut in a window",
+                               ["service", "scheduler"], buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32))
+SPLIT_CALLS_PER_STEP = Histogram("tandem_split_forward_calls_per_step",
+                                 "Runner calls needed for one window step",
+                                 ["service", "scheduler"], buckets=SIZE)
+SPLIT_IDLE_GAP = Histogram("tandem_split_idle_gap_seconds", "Idle time between suffix calls",
+                           ["service", "scheduler"], buckets=LATENCY)
+SPLIT_TOKENS = Counter("tandem_split_tokens_total", "Tokens produced by the suffix",
+                       ["service", "scheduler", "cut"])
+
+# --- every service ------------------------------------------------------------------------
+MESSAGES = Counter("tandem_messages_total", "Wire messages handled", ["service", "type"])
+ERRORS = Counter("tandem_errors_total", "Error replies and failures by stable code",
+                 ["service", "code"])
+FORWARD = Histogram("tandem_forward_seconds", "Model forward-call duration by phase",
+                    ["service", "phase"], buckets=LATENCY)
+FORWARD_TOKENS = Histogram("tandem_forward_batch_tokens", "Tokens in one forward call",
+                           ["service", "phase"], buckets=SIZE)
+QUEUE_TIME = Histogram("tandem_queue_seconds", "Time a request waited before its forward call",
+                       ["service"], buckets=LATENCY)
+LINK_RTT = Histogram("tandem_link_rtt_seconds", "Heartbeat round trip to a peer service",
+                     ["service", "peer"], buckets=LATENCY)
+PEER_UP = Gauge("tandem_peer_up", "1 when the peer answered its last heartbeat",
+                ["service", "peer"])
+SESSIONS = Gauge("tandem_sessions", "Sessions held by a service (KV caches)", ["service"])
+KV_BYTES = Gauge("tandem_kv_cache_bytes", "Bytes held in KV caches", ["service"])
+RSS = Gauge("tandem_process_resident_memory_bytes", "Peak resident set size of the process",
+            ["service"])
+UP = Gauge("tandem_up", "1 once the service is ready", ["service"])
+
+
+def refresh_process_metrics(service: str) -> None:
+    """Called before each scrape: peak RSS from getrusage (kB on Linux)."""
+    RSS.labels(service).set(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)

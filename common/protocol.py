@@ -1,0 +1,430 @@
+"""Tandem's wire protocol (DESIGN.md §2).
+
+A message is one msgpack header frame followed by zero or more raw buffer frames:
+
+    [routing-id]   (ROUTER side only, added/stripped by ZMQ)
+    header         msgpack map: {"v": 1, "type": "...", "sid": "...", "seq": n, "rid": n, ...}
+    buffer*        raw tensor bytes, referenced from the header as {"dtype", "shape", "frame"}
+
+Headers are msgspec `Struct`s tagged by `type`, so decoding is typed and validated in one step;
+any msgpack client can speak the protocol (the tests decode everything with msgpack-python).
+Tensors never travel as lists of floats and nothing is ever pickled.
+
+Decoding never raises anything but `ProtocolError`, which carries a stable `code` that the service
+sends back in an `Error` message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Union
+
+import msgspec
+import numpy as np
+
+VERSION = 1
+
+# ---------------------------------------------------------------------------------------------
+# Stable error codes: clients switch on these, so they never change meaning.
+BAD_FRAME = "bad_frame"              # not a msgpack header / missing frames
+BAD_VERSION = "bad_version"          # protocol version we do not speak
+UNKNOWN_TYPE = "unknown_type"        # message type we do not know
+BAD_FIELD = "bad_field"              # a field of the wrong type or out of range
+TOO_LARGE = "too_large"              # a frame, header, frame count, prompt or token list over a limit
+BAD_TENSOR = "bad_tensor"            # dtype/shape disagree with the bytes, or unsupported dtype
+UNKNOWN_SESSION = "unknown_session"  # no such session (never opened, closed, or evicted)
+SESSION_EXISTS = "session_exists"    # open for a session id already in use
+BUSY = "busy"                        # admission control: over capacity, try later
+DEADLINE = "deadline"                # the request's deadline passed
+CANCELLED = "cancelled"              # the client cancelled the request
+UNAVAILABLE = "unavailable"          # a peer service is down or unreachable
+WRONG_SERVICE = "wrong_service"      # a valid message sent to a service that doesn't serve it
+INTERNAL = "internal"                # a bug: logged with a traceback on the service
+
+ERROR_CODES = (BAD_FRAME, BAD_VERSION, UNKNOWN_TYPE, BAD_FIELD, TOO_LARGE, BAD_TENSOR,
+               UNKNOWN_SESSION, SESSION_EXISTS, BUSY, DEADLINE, CANCELLED, UNAVAILABLE,
+               WRONG_SERVICE, INTERNAL)
+
+
+class ProtocolError(Exception):
+    def __init__(self, code: str, message: str):
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class Limits:
+    """Hard limits on what a peer may send. All are configuration (see common/config.py)."""
+    max_header_bytes: int = 64 * 1024        # a header is small: ids, scalars, tensor refs
+    max_frame_bytes: int = 64 * 1024 * 1024  # one tensor frame (a 4k-token prefill hidden state is 4.7 MB fp16)
+    max_frames: int = 8                      # header + tensor frames in one message
+    max_tokens: int = 4096                   # token ids in one message (prompts, drafts)
+    max_prompt_tokens: int = 8192            # prompt length a session may open with
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensors travel by reference: the header says where and what, the bytes are a raw frame.
+
+DTYPES = ("float16", "bfloat16", "float32", "int32", "int64")
+_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "int32": 4, "int64": 8}
+
+
+class TensorRef(msgspec.Struct, array_like=False):
+    dtype: str
+    shape: list[int]
+    frame: int  # index into the buffer frames that follow the header (0 = first after header)
+
+
+class Sampling(msgspec.Struct, omit_defaults=True):
+    """How the next token is chosen. temperature 0 = greedy (argmax)."""
+    temperature: float = 0.0
+    top_k: int = 0        # 0 = off
+    top_p: float = 1.0    # 1 = off
+    seed: int | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Messages. Every message has v (version), sid (session id), seq (per-session sequence number,
+# the idempotency key for retries) and rid (request id, matches replies to requests on a
+# connection). Replies and stream events echo the request's rid.
+
+class Msg(msgspec.Struct, tag_field="type", kw_only=True):
+    v: int = VERSION
+    sid: str = ""
+    seq: int = 0
+    rid: int = 0
+
+
+# --- every service --------------------------------------------------------------------------
+class Ping(Msg, tag="ping"):
+    t: float = 0.0           # sender's clock, echoed back for RTT
+
+
+class Pong(Msg, tag="pong"):
+    t: float = 0.0
+    service: str = ""
+    ready: bool = True
+
+
+class Error(Msg, tag="error"):
+    code: str
+    message: str
+
+
+class Ack(Msg, tag="ack"):
+    pass
+
+
+class Close(Msg, tag="close"):
+    """Drop a session's state (KV cache, drafter context). Idempotent."""
+
+
+# --- client <-> dispatcher ------------------------------------------------------------------
+class GenerateRequest(Msg, tag="generate"):
+    prompt: str = ""
+    token_ids: list[int] | None = None   # pre-tokenised prompt instead of `prompt`
+    chat: bool = False                   # apply the model's chat template to `prompt`
+    mode: str = "cloud-only"             # "spec" | "split" | "cloud-only"
+    policy: str = ""                     # spec policy; "" = the dispatcher's default
+    cut: int = 0                         # split cut layer; 0 = the dispatcher's default
+    max_tokens: int = 64
+    sampling: Sampling = msgspec.field(default_factory=Sampling)
+    stop_at_eos: bool = True
+    deadline_s: float = 0.0              # wall-clock budget for the whole request; 0 = none
+    allow_edge_only: bool = False        # spec mode: continue on the drafter alone if the cloud is gone
+
+
+class Cancel(Msg, tag="cancel"):
+    pass
+
+
+class TokenEvent(Msg, tag="tokens"):
+    """Tokens appended to the client's stream; `index` is the position of the first one."""
+    index: int
+    token_ids: list[int]
+    text: str = ""
+    degraded: bool = False   # produced by the edge drafter alone (cloud unreachable)
+
+
+class Done(Msg, tag="done"):
+    finish_reason: str           # "length" | "eos" | "cancelled"
+    stats: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+# --- dispatcher <-> verifier: cloud-only generation ------------------------------------------
+class CloudGenerate(Msg, tag="cloud_generate"):
+    """Prefill `token_ids`, then decode up to `max_tokens` autoregressively, streaming tokens."""
+    token_ids: list[int]
+    max_tokens: int
+    sampling: Sampling = msgspec.field(default_factory=Sampling)
+    eos_token_id: int | None = None
+
+
+class CloudTokens(Msg, tag="cloud_tokens"):
+    index: int
+    token_ids: list[int]
+    done: bool = False
+    finish_reason: str = ""
+
+
+# --- dispatcher <-> verifier: speculative mode ----------------------------------------------
+class SpecOpen(Msg, tag="spec_open"):
+    """Prefill the prompt; the reply is an Ack once the KV cache holds it."""
+    token_ids: list[int]
+    sampling: Sampling = msgspec.field(default_factory=Sampling)
+
+
+class DraftBatch(Msg, tag="draft_batch"):
+    """A batch of draft tokens of round `round`, starting at absolute position `start`.
+
+    `probs` is each token's draft probability. When sampling, `q_ids`/`q_probs` carry each
+    token's sparse (top-k truncated) draft distribution as tensor refs of shape [n, k].
+    `parent` > 0 marks proactive tokens drafted while round `parent` was being verified.
+    """
+    round: int
+    start: int
+    token_ids: list[int]
+    probs: list[float] = msgspec.field(default_factory=list)
+    q_ids: TensorRef | None = None
+    q_probs: TensorRef | None = None
+    parent: int = 0
+
+
+class VerifyRequest(Msg, tag="verify"):
+    """NAV: verify every draft token of `round` up to absolute position `end` (exclusive)."""
+    round: int
+    end: int
+
+
+class VerifyResult(Msg, tag="verify_result"):
+    """`accepted` draft tokens of the round were accepted; `token` is the target's next token
+    (a correction, or the bonus token after full acceptance). `early` = sent before the NAV
+    request, because streaming verification already found a mismatch."""
+    round: int
+    start: int
+    accepted: int
+    token: int
+    early: bool = False
+
+
+# --- dispatcher <-> drafter -----------------------------------------------------------------
+class DraftOpen(Msg, tag="draft_open"):
+    token_ids: list[int]
+    sampling: Sampling = msgspec.field(default_factory=Sampling)
+    top_k: int = 16          # sparse q width when sampling (k <= 64)
+
+
+class DraftRequest(Msg, tag="draft"):
+    """Draft `n` more tokens after the current end of the session's context."""
+    n: int
+
+
+class DraftTokens(Msg, tag="draft_tokens"):
+    start: int
+    token_ids: list[int]
+    probs: list[float]
+    seconds: float = 0.0      # drafter compute time for these tokens (γ estimation)
+    q_ids: TensorRef | None = None
+    q_probs: TensorRef | None = None
+
+
+class DraftRollback(Msg, tag="draft_rollback"):
+    """Keep the first `keep` tokens of the context, then append `append` (the target's token)."""
+    keep: int
+    append: list[int] = msgspec.field(default_factory=list)
+
+
+# --- dispatcher <-> prefix / suffix: split mode ---------------------------------------------
+class PrefixOpen(Msg, tag="prefix_open"):
+    cut: int
+    token_ids: list[int]
+
+
+class PrefixStep(Msg, tag="prefix_step"):
+    token_id: int
+
+
+class Hidden(Msg, tag="hidden"):
+    """Cut-layer hidden states [n, hidden] for tokens at positions start .. start+n-1."""
+    cut: int
+    start: int
+    hidden: TensorRef
+
+
+class SuffixOpen(Msg, tag="suffix_open"):
+    cut: int
+    start: int
+    hidden: TensorRef
+    sampling: Sampling = msgspec.field(default_factory=Sampling)
+
+
+class SuffixStep(Msg, tag="suffix_step"):
+    start: int
+    hidden: TensorRef
+
+
+class SuffixToken(Msg, tag="suffix_token"):
+    position: int      # absolute position the token is generated for
+    token: int
+
+
+MESSAGE_TYPES = (Ping, Pong, Error, Ack, Close, GenerateRequest, Cancel, TokenEvent, Done,
+                 CloudGenerate, CloudTokens, SpecOpen, DraftBatch, VerifyRequest, VerifyResult,
+                 DraftOpen, DraftRequest, DraftTokens, DraftRollback, PrefixOpen, PrefixStep,
+                 Hidden, SuffixOpen, SuffixStep, SuffixToken)
+AnyMsg = Union[MESSAGE_TYPES]  # type: ignore[valid-type]
+TYPE_NAMES = frozenset(t.__struct_config__.tag for t in MESSAGE_TYPES)
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(AnyMsg)
+_probe = msgspec.msgpack.Decoder(dict)
+
+
+# ---------------------------------------------------------------------------------------------
+def encode(msg: Msg, buffers: list | tuple = ()) -> list:
+    """Header + raw buffers, ready for `socket.send_multipart`."""
+    return [_encoder.encode(msg), *buffers]
+
+
+def tensor_frame(array, frame: int) -> tuple[TensorRef, memoryview]:
+    """Describe a numpy array or torch tensor as a TensorRef and give its bytes (zero-copy).
+
+    bfloat16 torch tensors travel as their raw 2-byte pattern."""
+    if hasattr(array, "detach"):  # torch.Tensor, without importing torch here
+        t = array.detach().contiguous().cpu()
+        dtype = str(t.dtype).removeprefix("torch.")
+        if dtype not in DTYPES:
+            raise ProtocolError(BAD_TENSOR, f"dtype {dtype} cannot travel")
+        shape = list(t.shape)
+        import torch  # noqa: PLC0415  (torch is only present on services that have tensors)
+        raw = t.view(torch.int16) if dtype == "bfloat16" else t
+        data = memoryview(raw.numpy()).cast("B")
+        return TensorRef(dtype=dtype, shape=shape, frame=frame), data
+    arr = np.ascontiguousarray(array)
+    dtype = str(arr.dtype)
+    if dtype not in DTYPES:
+        raise ProtocolError(BAD_TENSOR, f"dtype {dtype} cannot travel")
+    return TensorRef(dtype=dtype, shape=list(arr.shape), frame=frame), memoryview(arr).cast("B")
+
+
+def decode(frames: list, limits: Limits) -> Msg:
+    """Validate and decode a message (header + buffers, routing id already stripped).
+
+    Raises ProtocolError with a stable code on anything malformed."""
+    if not frames:
+        raise ProtocolError(BAD_FRAME, "empty message")
+    if len(frames) > limits.max_frames:
+        raise ProtocolError(TOO_LARGE, f"{len(frames)} frames > limit {limits.max_frames}")
+    header = frames[0]
+    hbytes = header.bytes if hasattr(header, "bytes") else header
+    if len(hbytes) > limits.max_header_bytes:
+        raise ProtocolError(TOO_LARGE,
+                            f"header of {len(hbytes)} bytes > limit {limits.max_header_bytes}")
+    for f in frames[1:]:
+        n = len(f.buffer) if hasattr(f, "buffer") else len(f)
+        if n > limits.max_frame_bytes:
+            raise ProtocolError(TOO_LARGE, f"frame of {n} bytes > limit {limits.max_frame_bytes}")
+    try:
+        msg = _decoder.decode(hbytes)
+    except msgspec.ValidationError as e:
+        raise _classify(hbytes, e) from None
+    except msgspec.DecodeError as e:
+        raise ProtocolError(BAD_FRAME, f"header is not valid msgpack: {e}") from None
+    if msg.v != VERSION:
+        raise ProtocolError(BAD_VERSION, f"protocol version {msg.v} not supported (speak {VERSION})")
+    _check_sizes(msg, limits)
+    for ref in _tensor_refs(msg):
+        _check_tensor(ref, frames)
+    return msg
+
+
+def _classify(hbytes: bytes, err: Exception) -> ProtocolError:
+    """Turn a msgspec validation failure into the most specific stable code."""
+    try:
+        raw = _probe.decode(hbytes)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return ProtocolError(BAD_FRAME, "header is not a msgpack map")
+    if raw.get("v", VERSION) != VERSION:
+        return ProtocolError(BAD_VERSION,
+                             f"protocol version {raw.get('v')!r} not supported (speak {VERSION})")
+    if "type" not in raw:
+        return ProtocolError(BAD_FIELD, "header has no `type`")
+    if raw["type"] not in TYPE_NAMES:
+        return ProtocolError(UNKNOWN_TYPE, f"unknown message type {str(raw['type'])[:64]!r}")
+    return ProtocolError(BAD_FIELD, str(err))
+
+
+def _check_sizes(msg: Msg, limits: Limits) -> None:
+    for name in ("token_ids", "probs", "append"):
+        value = getattr(msg, name, None)
+        if value is not None and len(value) > limits.max_tokens:
+            raise ProtocolError(TOO_LARGE,
+                                f"{name} has {len(value)} entries > limit {limits.max_tokens}")
+    for name in ("seq", "rid", "start", "index", "round", "end", "n", "keep", "max_tokens", "cut"):
+        value = getattr(msg, name, None)
+        if isinstance(value, int) and value < 0:
+            raise ProtocolError(BAD_FIELD, f"{name} must be >= 0, got {value}")
+
+
+def _tensor_refs(msg: Msg):
+    for name in ("hidden", "q_ids", "q_probs"):
+        ref = getattr(msg, name, None)
+        if ref is not None:
+            yield ref
+
+
+def _check_tensor(ref: TensorRef, frames: list) -> None:
+    if ref.dtype not in DTYPES:
+        raise ProtocolError(BAD_TENSOR, f"dtype {ref.dtype!r} not one of {DTYPES}")
+    if any(d < 0 for d in ref.shape) or len(ref.shape) > 4:
+        raise ProtocolError(BAD_TENSOR, f"bad shape {ref.shape}")
+    if not 0 <= ref.frame < len(frames) - 1:
+        raise ProtocolError(BAD_FRAME, f"tensor refers to frame {ref.frame}, "
+                                       f"message has {len(frames) - 1} buffer frames")
+    want = _ITEMSIZE[ref.dtype] * int(np.prod(ref.shape, dtype=np.int64))
+    f = frames[ref.frame + 1]
+    got = len(f.buffer) if hasattr(f, "buffer") else len(f)
+    if want != got:
+        raise ProtocolError(BAD_TENSOR, f"{ref.dtype}{ref.shape} needs {want} bytes, frame has {got}")
+
+
+def tensor_numpy(ref: TensorRef, frames: list) -> np.ndarray:
+    """The referenced frame as a numpy array (bfloat16 comes back as float32)."""
+    f = frames[ref.frame + 1]
+    buf = f.buffer if hasattr(f, "buffer") else f
+    if ref.dtype == "bfloat16":
+        raw = np.frombuffer(buf, dtype=np.uint16).astype(np.uint32) << 16
+        return raw.view(np.float32).reshape(ref.shape)
+    return np.frombuffer(buf, dtype=ref.dtype).reshape(ref.shape)
+
+
+def tensor_torch(ref: TensorRef, frames: list):
+    """The referenced frame as a torch tensor (copy; bfloat16 preserved)."""
+    import torch  # noqa: PLC0415
+
+    f = frames[ref.frame + 1]
+    buf = bytearray(f.buffer if hasattr(f, "buffer") else f)
+    if not buf:
+        return torch.empty(ref.shape, dtype=getattr(torch, ref.dtype))
+    return torch.frombuffer(buf, dtype=getattr(torch, ref.dtype)).reshape(ref.shape)
+
+
+def error_reply(req: Msg | None, code: str, message: str) -> Error:
+    if req is None:
+        return Error(code=code, message=message)
+    return Error(sid=req.sid, seq=req.seq, rid=req.rid, code=code, message=message)
+
+
+def peek_ids(frames: list) -> tuple[str, int, int]:
+    """Best-effort (sid, seq, rid) of a message that failed to decode, so the error still
+    reaches the waiting request."""
+    try:
+        raw = _probe.decode(frames[0].bytes if hasattr(frames[0], "bytes") else frames[0])
+        sid = raw.get("sid", "")
+        seq = raw.get("seq", 0)
+        rid = raw.get("rid", 0)
+        return (sid if isinstance(sid, str) else "", seq if isinstance(seq, int) else 0,
+                rid if isinstance(rid, int) and rid >= 0 else 0)
+    except Exception:  # noqa: BLE001 - anything unparseable just has no ids
+        return "", 0, 0

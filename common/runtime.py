@@ -1,0 +1,420 @@
+"""The asyncio ZMQ service runtime shared by all five services (vLLM v1 engine-core style).
+
+`Service` binds a ROUTER socket, decodes and validates every message (common/protocol.py),
+answers heartbeats, routes each message type to a handler, and serves /metrics, /healthz and
+/readyz over HTTP. Handlers run on the event loop and must not block: model work goes to a worker
+thread (`await self.compute(fn, ...)`), so the socket keeps being read while a forward runs.
+
+`Peer` is the client side: a DEALER with an explicit identity, heartbeats, request/reply matched
+by request id (`rid`), long-lived channels for streams, timeouts, and a fresh socket when the peer
+stops answering (so a half-open TCP connection never wedges a session).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import signal
+import threading
+import time
+import traceback
+import uuid
+from typing import Any, Awaitable, Callable
+
+import zmq
+import zmq.asyncio
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from common import metrics, protocol
+from common.config import ServiceConfig
+from common.protocol import Msg, ProtocolError
+
+Handler = Callable[[bytes, Msg, list], Awaitable[None]]
+
+LINGER_MS = 200          # on close, flush for at most this long, then drop: shutdown never hangs
+RECONNECT_MS = 100       # first reconnect attempt after a drop
+RECONNECT_MAX_MS = 2000  # backoff cap between reconnect attempts
+HEARTBEAT_RID = 0        # request id reserved for heartbeats; real requests start at 1
+
+
+def _tune(sock: zmq.Socket, heartbeat_s: float) -> None:
+    sock.setsockopt(zmq.LINGER, LINGER_MS)
+    sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_MS)
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_MAX_MS)
+    # ZMTP-level heartbeats detect a dead TCP connection even when no application traffic flows.
+    ivl = max(100, int(heartbeat_s * 1000))
+    sock.setsockopt(zmq.HEARTBEAT_IVL, ivl)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, ivl * 3)
+    sock.setsockopt(zmq.SNDHWM, 10000)
+    sock.setsockopt(zmq.RCVHWM, 10000)
+
+
+class Service:
+    """Base class: subclasses set `name`, register handlers in `__init__` with `self.route`,
+    and load models in `setup()` (called before the service reports ready)."""
+
+    name = "service"
+
+    def __init__(self, cfg: ServiceConfig):
+        self.cfg = cfg
+        self.limits = cfg.limits()
+        self.log = logging.getLogger(f"tandem.{self.name}")
+        self.ctx = zmq.asyncio.Context()
+        self.sock: zmq.asyncio.Socket | None = None
+        self.ready = False
+        self.stopping: asyncio.Event | None = None  # created on the loop in serve()
+        self.handlers: dict[type, Handler] = {}
+        self.peers: list[Peer] = []
+        self.bound_endpoint = ""
+        self.http_port = 0
+        self._tasks: set[asyncio.Task] = set()
+        self._compute_lock = threading.Lock()
+        self.route(protocol.Ping, self._on_ping)
+
+    # --- for subclasses -----------------------------------------------------------------------
+    def route(self, msg_type: type, handler: Handler) -> None:
+        self.handlers[msg_type] = handler
+
+    async def setup(self) -> None:
+        """Load models, connect peers. Runs before /readyz turns 200."""
+
+    async def teardown(self) -> None:
+        """Release resources on shutdown."""
+
+    def peer(self, name: str, endpoint: str) -> "Peer":
+        p = Peer(self.ctx, endpoint, name=name, owner=self.name,
+                 heartbeat_s=self.cfg.heartbeat_s, timeout_s=self.cfg.peer_timeout_s,
+                 limits=self.limits)
+        self.peers.append(p)
+        return p
+
+    async def send(self, ident: bytes, msg: Msg, buffers: list | tuple = ()) -> bool:
+        """Send to a connected client; False if it is gone (ROUTER_MANDATORY)."""
+        assert self.sock is not None
+        try:
+            await self.sock.send_multipart([ident, *protocol.encode(msg, buffers)], copy=False)
+            return True
+        except zmq.ZMQError as e:
+            if e.errno == zmq.EHOSTUNREACH:
+                self.log.debug("peer %r gone; dropped %s", ident, type(msg).__name__)
+                return False
+            raise
+
+    async def error(self, ident: bytes, req: Msg | None, code: str, message: str) -> None:
+        metrics.ERRORS.labels(self.name, code).inc()
+        self.log.debug("error %s to %r: %s", code, ident, message)
+        await self.send(ident, protocol.error_reply(req, code, message))
+
+    async def compute(self, fn: Callable, *args: Any) -> Any:
+        """Run model work on a worker thread; one at a time (the model uses all its threads)."""
+        def locked():
+            with self._compute_lock:
+                return fn(*args)
+        return await asyncio.to_thread(locked)
+
+    def spawn(self, coro) -> asyncio.Task:
+        """Start a background task whose failure is logged, never silently lost."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+
+        def done(t: asyncio.Task):
+            self._tasks.discard(t)
+            if not t.cancelled() and t.exception() is not None:
+                self.log.error("background task failed: %s", "".join(
+                    traceback.format_exception(t.exception())))
+        task.add_done_callback(done)
+        return task
+
+    # --- the loop -----------------------------------------------------------------------------
+    async def _on_ping(self, ident: bytes, msg: Msg, frames: list) -> None:
+        await self.send(ident, protocol.Pong(rid=msg.rid, t=msg.t, service=self.name,
+                                             ready=self.ready))
+
+    async def _dispatch(self, ident: bytes, frames: list) -> None:
+        try:
+            msg = protocol.decode(frames, self.limits)
+        except ProtocolError as e:
+            sid, seq, rid = protocol.peek_ids(frames)
+            metrics.ERRORS.labels(self.name, e.code).inc()
+            await self.send(ident, protocol.Error(sid=sid, seq=seq, rid=rid, code=e.code,
+                                                  message=e.message))
+            return
+        metrics.MESSAGES.labels(self.name, msg.__struct_config__.tag).inc()
+        handler = self.handlers.get(type(msg))
+        if handler is None:
+            await self.error(ident, msg, protocol.WRONG_SERVICE,
+                             f"{self.name} does not serve {msg.__struct_config__.tag!r} messages")
+            return
+        try:
+            await handler(ident, msg, frames)
+        except ProtocolError as e:
+            await self.error(ident, msg, e.code, e.message)
+        except Exception as e:  # noqa: BLE001 - a bug must not take the service down
+            self.log.exception("handler for %s failed", type(msg).__name__)
+            await self.error(ident, msg, protocol.INTERNAL, f"{type(e).__name__}: {e}")
+
+    async def _recv_loop(self) -> None:
+        assert self.sock is not None
+        while True:
+            frames = await self.sock.recv_multipart(copy=False)
+            if len(frames) < 2:
+                continue  # a routing id alone: nothing to answer
+            await self._dispatch(frames[0].bytes, frames[1:])
+
+    async def serve(self) -> None:
+        self.stopping = asyncio.Event()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        _tune(self.sock, self.cfg.heartbeat_s)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.sock.bind(self.cfg.bind)
+        self.bound_endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        http = await asyncio.start_server(self._http, self.cfg.http_host, self.cfg.http_port)
+        self.http_port = http.sockets[0].getsockname()[1]
+        self.log.info("%s listening on %s, http://%s:%d (pid %d)", self.name,
+                      self.bound_endpoint, self.cfg.http_host, self.http_port, os.getpid())
+        recv = asyncio.get_running_loop().create_task(self._recv_loop())
+        try:
+            await self.setup()
+            for p in self.peers:
+                p.start()
+            self.ready = True
+            metrics.UP.labels(self.name).set(1)
+            self.log.info("%s ready", self.name)
+            stop = asyncio.get_running_loop().create_task(self.stopping.wait())
+            await asyncio.wait([recv, stop], return_when=asyncio.FIRST_COMPLETED)
+            if recv.done() and recv.exception():
+                raise recv.exception()
+        finally:
+            self.log.info("%s shutting down", self.name)
+            self.ready = False
+            recv.cancel()
+            for t in list(self._tasks):
+                t.cancel()
+            with contextlib.suppress(Exception):
+                await self.teardown()
+            for p in self.peers:
+                p.close()
+            http.close()
+            self.sock.close(linger=LINGER_MS)
+            self.ctx.term()
+
+    def stop(self) -> None:
+        if self.stopping is not None:
+            self.stopping.set()
+
+    def run(self) -> None:
+        """Blocking entry point: uvloop, SIGTERM/SIGINT -> graceful shutdown."""
+        try:
+            import uvloop  # noqa: PLC0415
+            runner = uvloop.run
+        except ImportError:  # pragma: no cover
+            runner = asyncio.run
+
+        async def main():
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self.stop)
+            await self.serve()
+        runner(main())
+
+    # --- HTTP: /metrics, /healthz, /readyz ----------------------------------------------------
+    async def _http(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            line = await asyncio.wait_for(reader.readline(), 5)
+            while (await asyncio.wait_for(reader.readline(), 5)) not in (b"\r\n", b"\n", b""):
+                pass
+            parts = line.decode("latin-1").split()
+            path = parts[1].split("?")[0] if len(parts) >= 2 else ""
+            if path == "/metrics":
+                metrics.refresh_process_metrics(self.name)
+                status, ctype, body = "200 OK", CONTENT_TYPE_LATEST, generate_latest()
+            elif path == "/healthz":
+                status, ctype, body = "200 OK", "text/plain", b"ok\n"
+            elif path == "/readyz":
+                ok = self.ready
+                status = "200 OK" if ok else "503 Service Unavailable"
+                ctype, body = "text/plain", b"ready\n" if ok else b"loading\n"
+            else:
+                status, ctype, body = "404 Not Found", "text/plain", b"not found\n"
+            writer.write(f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\n"
+                         f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+                         + body)
+            await writer.drain()
+        except (asyncio.TimeoutError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+class PeerError(Exception):
+    """A peer answered with an Error message, or did not answer in time."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+class Channel:
+    """All replies carrying one request id, in order. A spec session talks to the verifier over
+    one channel: its batches, NAV requests and (early) results share the rid."""
+
+    def __init__(self, peer: "Peer", rid: int):
+        self.peer = peer
+        self.rid = rid
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    async def send(self, msg: Msg, buffers: list | tuple = ()) -> None:
+        msg.rid = self.rid
+        await self.peer._send(msg, buffers)
+
+    async def recv(self, timeout: float | None = None) -> tuple[Msg, list]:
+        """Next reply; raises PeerError on an Error message, timeout or lost connection."""
+        try:
+            item = await asyncio.wait_for(self.queue.get(), timeout)
+        except asyncio.TimeoutError:
+            raise PeerError(protocol.DEADLINE,
+                            f"no reply from {self.peer.name} within {timeout:.1f} s") from None
+        msg, frames = item
+        if isinstance(msg, protocol.Error):
+            raise PeerError(msg.code, msg.message)
+        return msg, frames
+
+    def close(self) -> None:
+        self.peer._channels.pop(self.rid, None)
+
+
+class Peer:
+    """DEALER client of another service."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, name: str, owner: str,
+                 heartbeat_s: float = 2.0, timeout_s: float = 6.0,
+                 limits: protocol.Limits | None = None):
+        self.ctx = ctx
+        self.endpoint = endpoint
+        self.name = name
+        self.owner = owner
+        self.heartbeat_s = heartbeat_s
+        self.timeout_s = timeout_s
+        self.limits = limits or protocol.Limits()
+        self.up = False
+        self.rtt = float("nan")
+        self.last_seen = 0.0
+        self.generation = 0           # bumps each time the socket is recreated
+        self._rids = itertools.count(1)
+        self._channels: dict[int, Channel] = {}
+        self._sock: zmq.asyncio.Socket | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._up_event: asyncio.Event | None = None
+        self.log = logging.getLogger(f"tandem.{owner}.peer.{name}")
+        self._connect()
+
+    def _connect(self) -> None:
+        self._sock = self.ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.IDENTITY, f"{self.owner}-{uuid.uuid4().hex[:12]}".encode())
+        _tune(self._sock, self.heartbeat_s)
+        self._sock.connect(self.endpoint)
+        self.generation += 1
+
+    def start(self) -> None:
+        """Start receiving and heartbeating (needs a running loop)."""
+        if self._tasks:
+            return
+        self._up_event = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._recv_loop()), loop.create_task(self._heartbeat())]
+
+    def channel(self) -> Channel:
+        self.start()
+        ch = Channel(self, next(self._rids))
+        self._channels[ch.rid] = ch
+        return ch
+
+    async def request(self, msg: Msg, buffers: list | tuple = (),
+                      timeout: float | None = None) -> tuple[Msg, list]:
+        """One request, one reply."""
+        ch = self.channel()
+        try:
+            await ch.send(msg, buffers)
+            return await ch.recv(self.timeout_s if timeout is None else timeout)
+        finally:
+            ch.close()
+
+    async def wait_up(self, timeout: float) -> bool:
+        self.start()
+        assert self._up_event is not None
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._up_event.wait(), timeout)
+        return self.up
+
+    async def _send(self, msg: Msg, buffers: list | tuple = ()) -> None:
+        assert self._sock is not None
+        await self._sock.send_multipart(protocol.encode(msg, buffers), copy=False)
+
+    async def _recv_loop(self) -> None:
+        sock = self._sock
+        assert sock is not None
+        while True:
+            frames = await sock.recv_multipart(copy=False)
+            try:
+                msg = protocol.decode(frames, self.limits)
+            except ProtocolError as e:
+                self.log.warning("undecodable reply from %s: %s", self.name, e)
+                continue
+            self.last_seen = time.monotonic()
+            if isinstance(msg, protocol.Pong) and msg.rid == HEARTBEAT_RID:
+                self.rtt = time.monotonic() - msg.t
+                metrics.LINK_RTT.labels(self.owner, self.name).observe(self.rtt)
+                self._mark(msg.ready)
+                continue
+            ch = self._channels.get(msg.rid)
+            if ch is not None:
+                ch.queue.put_nowait((msg, frames))
+            else:
+                self.log.debug("reply for closed request %d dropped (%s)", msg.rid,
+                               type(msg).__name__)
+
+    def _mark(self, up: bool) -> None:
+        if up != self.up:
+            self.log.info("%s is %s", self.name, "up" if up else "DOWN")
+        self.up = up
+        metrics.PEER_UP.labels(self.owner, self.name).set(1 if up else 0)
+        if self._up_event is not None:
+            if up:
+                self._up_event.set()
+            else:
+                self._up_event.clear()
+
+    async def _heartbeat(self) -> None:
+        while True:
+            try:
+                await self._send(protocol.Ping(rid=HEARTBEAT_RID, t=time.monotonic()))
+            except zmq.ZMQError:
+                pass
+            await asyncio.sleep(self.heartbeat_s if self.up else min(0.2, self.heartbeat_s))
+            silent = time.monotonic() - self.last_seen
+            if self.up and silent > self.timeout_s:
+                self._mark(False)
+                self._reset()
+
+    def _reset(self) -> None:
+        """The peer stopped answering: fail everything in flight and start a fresh socket."""
+        self.log.warning("%s silent; reconnecting to %s", self.name, self.endpoint)
+        old = self._sock
+        self._tasks[0].cancel()
+        self._connect()
+        self._tasks[0] = asyncio.get_running_loop().create_task(self._recv_loop())
+        if old is not None:
+            old.close(linger=0)
+        for ch in list(self._channels.values()):
+            ch.queue.put_nowait((protocol.Error(rid=ch.rid, code=protocol.UNAVAILABLE,
+                                                message=f"{self.name} stopped answering"), []))
+
+    def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        if self._sock is not None:
+            self._sock.close(linger=LINGER_MS)

@@ -1,0 +1,236 @@
+"""The verifier: the target model in the cloud.
+
+It holds one KV cache per session and runs every session that has work in ONE ragged forward
+pass per step (the engine loop below): prefills, cloud-only decode steps and speculative draft
+batches of different sessions share the projections and MLPs, each attending to its own cache.
+
+A session type decides what it feeds and what it does with the logits:
+* `CloudSession` (cloud-only mode): prefill, then one token per step, streamed back.
+* speculative sessions live in services/verifier/spec.py and plug into the same loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from common import metrics, protocol, sampling
+from common.config import load
+from common.protocol import Msg, ProtocolError
+from common.runtime import Service
+from services.verifier.config import VerifierConfig
+
+
+@dataclass
+class Work:
+    """What a session feeds into one step."""
+    token_ids: list[int]
+    logits: str          # "last" | "all" | "none" (prefill chunk whose logits nobody needs)
+    phase: str           # metrics label: prefill | decode | verify
+
+
+class EngineSession:
+    """Base of per-session state in the engine loop."""
+
+    def __init__(self, sid: str, ident: bytes, rid: int, seq: int, kv):
+        self.sid = sid
+        self.ident = ident
+        self.rid = rid
+        self.seq = seq
+        self.kv = kv
+        self.closed = False
+
+    def next_work(self, budget: int) -> Work | None:
+        raise NotImplementedError
+
+    def consume(self, work: Work, logits: torch.Tensor) -> list[Msg]:
+        """Handle the step's logits; return the messages to send to the session's peer."""
+        raise NotImplementedError
+
+
+class CloudSession(EngineSession):
+    """Cloud-only generation: prefill (chunked), then autoregressive decode."""
+
+    def __init__(self, sid, ident, rid, seq, kv, req: protocol.CloudGenerate):
+        super().__init__(sid, ident, rid, seq, kv)
+        self.pending = list(req.token_ids)   # tokens not yet in the cache
+        self.sampling = req.sampling
+        self.max_tokens = req.max_tokens
+        self.eos = req.eos_token_id
+        self.generated: list[int] = []
+
+    def next_work(self, budget: int) -> Work | None:
+        if not self.pending or self.closed:
+            return None
+        take = self.pending[:budget]
+        last_chunk = len(take) == len(self.pending)
+        phase = "decode" if self.generated else "prefill"
+        return Work(take, "last" if last_chunk else "none", phase)
+
+    def consume(self, work: Work, logits: torch.Tensor) -> list[Msg]:
+        del self.pending[:len(work.token_ids)]
+        if work.logits == "none":
+            return []
+        position = self.kv.length()
+        token = sampling.sample(logits[-1], self.sampling, position)
+        self.generated.append(token)
+        done, reason = False, ""
+        if self.eos is not None and token == self.eos:
+            done, reason = True, "eos"
+        elif len(self.generated) >= self.max_tokens:
+            done, reason = True, "length"
+        if not done:
+            self.pending = [token]
+        else:
+            self.closed = True
+        return [protocol.CloudTokens(sid=self.sid, seq=self.seq, rid=self.rid,
+                                     index=len(self.generated) - 1, token_ids=[token], done=done,
+                                     finish_reason=reason)]
+
+
+class Verifier(Service):
+    name = "verifier"
+
+    def __init__(self, cfg: VerifierConfig):
+        super().__init__(cfg)
+        self.cfg: VerifierConfig = cfg
+        self.runner = None
+        self.sessions: dict[str, EngineSession] = {}
+        self.wakeup = asyncio.Event()
+        self.route(protocol.CloudGenerate, self.on_cloud_generate)
+        self.route(protocol.Close, self.on_close)
+        # speculative mode registers its handlers on this service
+        from services.verifier import spec  # noqa: PLC0415
+        spec.install(self)
+
+    async def setup(self) -> None:
+        from common import models  # noqa: PLC0415
+        from common.runner import LayerRangeRunner  # noqa: PLC0415
+
+        path = models.resolve_target(self.cfg.target)
+        dtype = getattr(torch, self.cfg.dtype)
+        self.runner = await asyncio.to_thread(
+            LayerRangeRunner, path, None, dtype, self.cfg.threads or None)
+        self.vocab_size = self.runner.vocab_size
+        self.log.info("target %s loaded: %d layers, vocab %d", path, self.runner.num_layers,
+                      self.vocab_size)
+        self.spawn(self.engine_loop())
+
+    # --- admission ------------------------------------------------------------------------------
+    def check_tokens(self, token_ids: list[int], what: str = "token_ids") -> None:
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ProtocolError(protocol.BAD_FIELD,
+                                f"{what} holds ids outside the vocabulary [0, {self.vocab_size}): "
+                                f"{bad[:5]}")
+
+    def admit(self, msg: Msg, prompt: list[int]) -> bool:
+        """Common checks for opening a session. False = a retry of an open already done."""
+        old = self.sessions.get(msg.sid)
+        if old is not None:
+            if old.seq == msg.seq:
+                return False  # idempotent retry: already open
+            raise ProtocolError(protocol.SESSION_EXISTS, f"session {msg.sid!r} is already open")
+        if not msg.sid:
+            raise ProtocolError(protocol.BAD_FIELD, "sid must not be empty")
+        if len(self.sessions) >= self.cfg.max_sessions:
+            raise ProtocolError(protocol.BUSY,
+                                f"{len(self.sessions)} sessions open (max_sessions)")
+        if not prompt:
+            raise ProtocolError(protocol.BAD_FIELD, "empty prompt")
+        if len(prompt) > self.limits.max_prompt_tokens:
+            raise ProtocolError(protocol.TOO_LARGE, f"prompt of {len(prompt)} tokens > "
+                                                   f"max_prompt_tokens {self.limits.max_prompt_tokens}")
+        self.check_tokens(prompt)
+        return True
+
+    def add(self, session: EngineSession) -> None:
+        self.sessions[session.sid] = session
+        metrics.SESSIONS.labels(self.name).set(len(self.sessions))
+        self.wakeup.set()
+
+    def drop(self, sid: str) -> None:
+        s = self.sessions.pop(sid, None)
+        if s is not None:
+            s.closed = True
+        metrics.SESSIONS.labels(self.name).set(len(self.sessions))
+
+    async def on_cloud_generate(self, ident: bytes, msg: protocol.CloudGenerate, frames) -> None:
+        if not self.admit(msg, msg.token_ids):
+            return
+        if msg.max_tokens < 1:
+            raise ProtocolError(protocol.BAD_FIELD, "max_tokens must be >= 1")
+        self.add(CloudSession(msg.sid, ident, msg.rid, msg.seq, self.runner.new_kv(), msg))
+
+    async def on_close(self, ident: bytes, msg: protocol.Close, frames) -> None:
+        self.drop(msg.sid)
+        await self.send(ident, protocol.Ack(sid=msg.sid, seq=msg.seq, rid=msg.rid))
+
+    # --- the engine loop ------------------------------------------------------------------------
+    def plan_step(self) -> list[tuple[EngineSession, Work]]:
+        budget = self.cfg.max_batch_tokens
+        step = []
+        for s in list(self.sessions.values()):
+            if budget <= 0 or len(step) >= self.cfg.max_batch_sessions:
+                break
+            work = s.next_work(budget)
+            if work is not None and work.token_ids:
+                step.append((s, work))
+                budget -= len(work.token_ids)
+        return step
+
+    def run_step(self, step):
+        from common.runner import Segment  # noqa: PLC0415
+
+        segs = [Segment(s.kv, torch.tensor(w.token_ids, dtype=torch.long),
+                        "all" if w.logits == "all" else "last") for s, w in step]
+        t = time.perf_counter()
+        out = self.runner.forward(segs, 0, self.runner.num_layers)
+        dt = time.perf_counter() - t
+        phase = step[0][1].phase if len({w.phase for _, w in step}) == 1 else "mixed"
+        metrics.FORWARD.labels(self.name, phase).observe(dt)
+        metrics.FORWARD_TOKENS.labels(self.name, phase).observe(sum(len(w.token_ids) for _, w in step))
+        return out
+
+    async def engine_loop(self) -> None:
+        while True:
+            step = self.plan_step()
+            if not step:
+                self.wakeup.clear()
+                await self.wakeup.wait()
+                continue
+            try:
+                outs = await self.compute(self.run_step, step)
+            except Exception as e:  # noqa: BLE001 - fail these sessions, keep serving
+                self.log.exception("forward failed")
+                for s, _ in step:
+                    await self.error(s.ident, protocol.Close(sid=s.sid, seq=s.seq, rid=s.rid),
+                                     protocol.INTERNAL, f"forward failed: {e}")
+                    self.drop(s.sid)
+                continue
+            for (s, work), logits in zip(step, outs):
+                if self.sessions.get(s.sid) is not s:
+                    continue  # closed while the forward ran
+                for reply in s.consume(work, logits):
+                    await self.send(s.ident, reply)
+                if isinstance(s, CloudSession) and s.closed:
+                    self.drop(s.sid)
+            metrics.KV_BYTES.labels(self.name).set(sum(s.kv.nbytes() for s in self.sessions.values()))
+            await asyncio.sleep(0)  # let the socket deliver new work between steps
+
+
+def main(argv=None) -> None:
+    from common import log  # noqa: PLC0415
+
+    cfg = load(VerifierConfig, "verifier", argv)
+    log.setup("verifier", cfg.log_level)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    Verifier(cfg).run()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,10 @@
+"""Tandem: one LLM served across an edge device and a cloud GPU. This package is the client SDK
+(and the `tandem` command line)."""
+
+from tandem.client import DEFAULT_ENDPOINT, AsyncClient, Chunk, Client, Result
+from tandem.errors import (Busy, Cancelled, DeadlineExceeded, InvalidRequest, ServerError,
+                           TandemError, Unavailable)
+
+__all__ = ["Client", "AsyncClient", "Chunk", "Result", "DEFAULT_ENDPOINT", "TandemError",
+           "InvalidRequest", "Busy", "DeadlineExceeded", "Cancelled", "Unavailable",
+           "ServerError"]

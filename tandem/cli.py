@@ -1,0 +1,245 @@
+"""The `tandem` command line.
+
+    tandem up [--detach]        start all services locally on the bundled model, stream a demo
+    tandem down                 stop what `up --detach` started
+    tandem status [--json]      each service: name, endpoint, pid, health
+    tandem serve SERVICE ...    run one service in the foreground (what compose runs)
+    tandem generate PROMPT ...  one request through the SDK
+    tandem models prepare       make the bundled target and drafter (once, cached)
+    tandem link ...             the WAN emulator (common/wan_cli.py)
+    tandem bench ...            benchmarks (bench/)
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+SERVICE_NAMES = ("dispatcher", "verifier", "drafter", "prefix", "suffix")
+DEMO_PROMPT = "Explain in two sentences why speculative decoding is lossless."
+
+
+def _available_services() -> list[str]:
+    from common.launcher import SERVICES  # noqa: PLC0415
+    root = Path(__file__).resolve().parent.parent
+    return [s for s in SERVICES if (root / "services" / s / "service.py").is_file()]
+
+
+def cmd_models(args) -> int:
+    from common import models  # noqa: PLC0415
+    if args.action == "prepare":
+        paths = models.prepare_all()
+        models.check_tokenizers(paths.target, paths.drafter)
+        print(f"target : {paths.target}\ndrafter: {paths.drafter}\n"
+              f"drafter (near-ideal): {paths.drafter_ideal}")
+    else:
+        p = models.default_paths()
+        for name, path in (("target", p.target), ("drafter", p.drafter),
+                           ("drafter_ideal", p.drafter_ideal)):
+            print(f"{name:14s} {'ok     ' if path.exists() else 'missing'} {path}")
+    return 0
+
+
+def cmd_up(args) -> int:
+    from common import models  # noqa: PLC0415
+    from common.launcher import Cluster, run_dir  # noqa: PLC0415
+
+    existing = Cluster.from_state()
+    if existing and any(p.alive() for p in existing.procs.values()):
+        print("tandem is already running (`tandem status`, `tandem down`)", file=sys.stderr)
+        return 1
+    paths = models.prepare_all()
+    models.check_tokenizers(paths.target, paths.drafter)
+    cluster = Cluster(services=_available_services())
+    busy = [f"{p.name}:{p.endpoint}" for p in cluster.procs.values() if _port_taken(p.endpoint)]
+    if busy:
+        print(f"ports already in use: {', '.join(busy)} — is another Tandem running?",
+              file=sys.stderr)
+        return 1
+    print(f"starting {', '.join(cluster.procs)} (logs in {run_dir()})", flush=True)
+    cluster.start_all()
+    cluster.save_state()
+    try:
+        t = time.monotonic()
+        cluster.wait_ready(timeout=args.timeout)
+        print(f"all services ready in {time.monotonic() - t:.1f} s", flush=True)
+        for p in cluster.procs.values():
+            print(f"  {p.name:10s} {p.endpoint:24s} pid {p.pid:<7d} http://127.0.0.1:{p.http_port}/metrics")
+        _demo(cluster.endpoint("dispatcher"), args.mode)
+        if args.detach:
+            print("running in the background; `tandem down` stops it")
+            return 0
+        print("serving until Ctrl-C ...", flush=True)
+        signal.signal(signal.SIGTERM, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+        while all(p.alive() for p in cluster.procs.values()):
+            time.sleep(1.0)
+        dead = [p.name for p in cluster.procs.values() if not p.alive()]
+        print(f"service(s) exited: {dead}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\nstopping ...")
+        return 0
+    except Exception as e:  # noqa: BLE001
+        print(f"start-up failed: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if not args.detach:
+            cluster.stop_all()
+            (run_dir() / "state.json").unlink(missing_ok=True)
+
+
+def _port_taken(endpoint: str) -> bool:
+    import socket  # noqa: PLC0415
+    host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
+    with socket.socket() as s:
+        return s.connect_ex((host, int(port))) == 0
+
+
+def _demo(endpoint: str, mode: str) -> None:
+    from tandem import Client  # noqa: PLC0415
+    print(f"\ndemo ({mode}): {DEMO_PROMPT}\n", flush=True)
+    with Client(endpoint) as c:
+        for chunk in c.generate(DEMO_PROMPT, mode=mode, chat=True, max_tokens=64):
+            print(chunk.text, end="", flush=True)
+        print()
+        print(_stats_line(c.last_result.stats), flush=True)
+
+
+def _stats_line(stats: dict) -> str:
+    parts = [f"mode={stats.get('mode')}"]
+    if stats.get("mode") == "spec":
+        parts.append(f"policy={stats.get('policy')}")
+    parts.append(f"tokens={stats.get('generated_tokens')}")
+    for key, label in (("ttft_s", "ttft"), ("tpt_s", "tpt")):
+        if stats.get(key) is not None:
+            parts.append(f"{label}={stats[key] * 1000:.1f}ms")
+    if stats.get("acceptance_rate") is not None:
+        parts.append(f"acceptance={stats['acceptance_rate']:.2f}")
+    if stats.get("cloud_forwards_per_token") is not None:
+        parts.append(f"cloud_forwards/token={stats['cloud_forwards_per_token']:.2f}")
+    return "[stats] " + " ".join(parts)
+
+
+def cmd_down(args) -> int:
+    from common.launcher import Cluster, run_dir  # noqa: PLC0415
+    c = Cluster.from_state()
+    if c is None:
+        print("nothing to stop (no run/state.json)")
+        return 0
+    for p in reversed(list(c.procs.values())):
+        if p.alive():
+            print(f"stopping {p.name} (pid {p.pid})")
+            c.stop(p.name)
+    (run_dir() / "state.json").unlink(missing_ok=True)
+    return 0
+
+
+def cmd_status(args) -> int:
+    from common.launcher import Cluster  # noqa: PLC0415
+    c = Cluster.from_state()
+    rows = []
+    if c is not None:
+        for p in c.procs.values():
+            health = "ready" if p.probe("/readyz") else ("alive" if p.probe("/healthz") else "down")
+            rows.append({"name": p.name, "endpoint": p.endpoint, "pid": p.pid,
+                         "http": f"http://127.0.0.1:{p.http_port}", "health": health})
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    elif not rows:
+        print("tandem is not running (start it with `tandem up`)")
+    else:
+        for r in rows:
+            print(f"{r['name']:10s} {r['endpoint']:24s} pid {r['pid']:<7d} {r['health']:6s} {r['http']}")
+    return 0 if rows and all(r["health"] == "ready" for r in rows) else 1
+
+
+def cmd_serve(args, rest) -> int:
+    if args.service not in SERVICE_NAMES:
+        print(f"unknown service {args.service!r}; one of {', '.join(SERVICE_NAMES)}",
+              file=sys.stderr)
+        return 2
+    module = importlib.import_module(f"services.{args.service}.service")
+    module.main(rest)
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from tandem import Client, TandemError  # noqa: PLC0415
+    kw = dict(mode=args.mode, max_tokens=args.max_tokens, temperature=args.temperature,
+              top_k=args.top_k, top_p=args.top_p, seed=args.seed, policy=args.policy,
+              cut=args.cut, chat=args.chat, deadline_s=args.deadline)
+    try:
+        with Client(args.endpoint) as c:
+            if args.json:
+                r = c.complete(args.prompt, **kw)
+                print(json.dumps({"mode": args.mode, "token_ids": r.token_ids, "text": r.text,
+                                  "finish_reason": r.finish_reason, "stats": r.stats}))
+            else:
+                for chunk in c.generate(args.prompt, **kw):
+                    print(chunk.text, end="", flush=True)
+                print()
+                print(_stats_line(c.last_result.stats), file=sys.stderr)
+    except TandemError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(prog="tandem", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    up = sub.add_parser("up", help="start all services locally and stream a demo")
+    up.add_argument("--detach", action="store_true", help="return after the demo")
+    up.add_argument("--mode", default=os.environ.get("TANDEM_DEMO_MODE", "auto"),
+                    help="demo mode: spec | split | cloud-only | auto")
+    up.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for readiness")
+    sub.add_parser("down", help="stop the services started by `up --detach`")
+    st = sub.add_parser("status", help="health of the local services")
+    st.add_argument("--json", action="store_true")
+    sv = sub.add_parser("serve", help="run one service in the foreground")
+    sv.add_argument("service")
+    g = sub.add_parser("generate", help="one request through the SDK")
+    g.add_argument("prompt")
+    g.add_argument("--endpoint", default=os.environ.get("TANDEM_ENDPOINT", "tcp://127.0.0.1:5550"))
+    g.add_argument("--mode", default="cloud-only", help="spec | split | cloud-only")
+    g.add_argument("--policy", default="", help="spec policy (default pipesd)")
+    g.add_argument("--cut", type=int, default=0, help="split cut layer (0 = server default)")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--chat", action="store_true", help="apply the chat template")
+    g.add_argument("--deadline", type=float, default=None, help="seconds")
+    g.add_argument("--json", action="store_true", help='print {"mode","token_ids","text","stats"}')
+    m = sub.add_parser("models", help="prepare or show the bundled models")
+    m.add_argument("action", choices=["prepare", "show"])
+    sub.add_parser("link", help="WAN emulator (see `tandem link --help`)", add_help=False)
+    sub.add_parser("bench", help="benchmarks (see `tandem bench --help`)", add_help=False)
+
+    if argv and argv[0] in ("link", "bench"):
+        module = {"link": "common.wan_cli", "bench": "bench.cli"}[argv[0]]
+        return importlib.import_module(module).main(argv[1:]) or 0
+    args, rest = ap.parse_known_args(argv)
+    if args.cmd == "serve":
+        return cmd_serve(args, rest)
+    if rest:
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.cmd == "up":
+        if args.mode == "auto":
+            args.mode = "spec" if "drafter" in _available_services() else "cloud-only"
+        return cmd_up(args)
+    return {"down": cmd_down, "status": cmd_status, "generate": cmd_generate,
+            "models": cmd_models}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,205 @@
+"""The Tandem client SDK: talk to a dispatcher over ZMQ.
+
+    from tandem import Client
+    with Client("tcp://127.0.0.1:5550") as c:
+        for chunk in c.generate("Hello", mode="spec", max_tokens=32):
+            print(chunk.text, end="", flush=True)
+        print(c.last_result.stats)
+
+    async with AsyncClient() as c:
+        async for chunk in c.generate("Hello"):
+            ...
+        result = await c.complete("Hello", max_tokens=16)   # whole result at once
+
+Errors arrive as typed exceptions (tandem.errors). Nothing here needs torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Iterator
+
+import zmq
+import zmq.asyncio
+
+from common import protocol
+from tandem.errors import Cancelled, DeadlineExceeded, TandemError, error_from_code
+
+DEFAULT_ENDPOINT = "tcp://127.0.0.1:5550"
+
+
+@dataclass
+class Chunk:
+    """Tokens appended to the stream; `index` is the position of the first one."""
+    index: int
+    token_ids: list[int]
+    text: str
+    degraded: bool = False   # produced by the edge alone while the cloud was unreachable
+
+
+@dataclass
+class Result:
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str = ""
+    stats: dict = field(default_factory=dict)   # per-request figures from the dispatcher
+
+
+class AsyncClient:
+    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, timeout_s: float = 300.0,
+                 limits: protocol.Limits | None = None):
+        self.endpoint = endpoint
+        self.timeout_s = timeout_s       # default deadline of a request
+        self.limits = limits or protocol.Limits()
+        self.ctx = zmq.asyncio.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, f"client-{uuid.uuid4().hex[:12]}".encode())
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self._rids = itertools.count(1)
+        self._queues: dict[int, asyncio.Queue] = {}
+        self._reader: asyncio.Task | None = None
+        self.last_result: Result | None = None
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+    async def _read(self) -> None:
+        while True:
+            frames = await self.sock.recv_multipart()
+            try:
+                msg = protocol.decode(frames, self.limits)
+            except protocol.ProtocolError:
+                continue
+            q = self._queues.get(msg.rid)
+            if q is not None:
+                q.put_nowait(msg)
+
+    async def generate(self, prompt: str | list[int], *, mode: str = "cloud-only",
+                       max_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
+                       top_p: float = 1.0, seed: int | None = None, policy: str = "",
+                       cut: int = 0, chat: bool = False, deadline_s: float | None = None,
+                       stop_at_eos: bool = True,
+                       allow_edge_only: bool = False) -> AsyncIterator[Chunk]:
+        """Stream a generation. On normal end `self.last_result` holds the whole result."""
+        if self._reader is None:
+            self._reader = asyncio.get_running_loop().create_task(self._read())
+        rid = next(self._rids)
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues[rid] = q
+        deadline = self.timeout_s if deadline_s is None else deadline_s
+        msg = protocol.GenerateRequest(
+            rid=rid, prompt=prompt if isinstance(prompt, str) else "",
+            token_ids=None if isinstance(prompt, str) else list(prompt), chat=chat, mode=mode,
+            policy=policy, cut=cut, max_tokens=max_tokens, stop_at_eos=stop_at_eos,
+            sampling=protocol.Sampling(temperature=temperature, top_k=top_k, top_p=top_p,
+                                       seed=seed),
+            deadline_s=deadline, allow_edge_only=allow_edge_only)
+        result = Result()
+        end = time.monotonic() + deadline + 5.0   # the dispatcher enforces the deadline; this
+        finished = False                          # only guards against a dead dispatcher
+        try:
+            await self.sock.send_multipart(protocol.encode(msg))
+            while True:
+                left = end - time.monotonic()
+                try:
+                    ev = await asyncio.wait_for(q.get(), max(left, 0.001))
+                except asyncio.TimeoutError:
+                    raise DeadlineExceeded(protocol.DEADLINE,
+                                           f"no answer from the dispatcher at {self.endpoint}") from None
+                if isinstance(ev, protocol.TokenEvent):
+                    if ev.index != len(result.token_ids):
+                        continue  # never yield a token twice
+                    result.token_ids.extend(ev.token_ids)
+                    result.text += ev.text
+                    yield Chunk(ev.index, list(ev.token_ids), ev.text, ev.degraded)
+                elif isinstance(ev, protocol.Done):
+                    result.finish_reason = ev.finish_reason
+                    result.stats = dict(ev.stats)
+                    self.last_result = result
+                    finished = True
+                    if ev.finish_reason == "cancelled":
+                        raise Cancelled(protocol.CANCELLED, "request cancelled")
+                    return
+                elif isinstance(ev, protocol.Error):
+                    finished = True
+                    raise error_from_code(ev.code, ev.message)
+        finally:
+            self._queues.pop(rid, None)
+            if not finished:  # the caller stopped iterating early, or we timed out: cancel
+                try:
+                    await self.sock.send_multipart(protocol.encode(protocol.Cancel(rid=rid)))
+                except zmq.ZMQError:
+                    pass
+
+    async def complete(self, prompt: str | list[int], **kw) -> Result:
+        async for _ in self.generate(prompt, **kw):
+            pass
+        assert self.last_result is not None
+        return self.last_result
+
+
+class Client:
+    """Synchronous wrapper: the async client runs on a private event-loop thread."""
+
+    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, timeout_s: float = 300.0):
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
+                                        name="tandem-client")
+        self._thread.start()
+        self._async = self._call(self._make(endpoint, timeout_s))
+
+    @staticmethod
+    async def _make(endpoint, timeout_s) -> AsyncClient:
+        return AsyncClient(endpoint, timeout_s)
+
+    def _call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    @property
+    def last_result(self) -> Result | None:
+        return self._async.last_result
+
+    def generate(self, prompt: str | list[int], **kw) -> Iterator[Chunk]:
+        agen = self._async.generate(prompt, **kw)
+        try:
+            while True:
+                try:
+                    yield self._call(agen.__anext__())
+                except StopAsyncIteration:
+                    return
+        finally:
+            self._call(agen.aclose())
+
+    def complete(self, prompt: str | list[int], **kw) -> Result:
+        return self._call(self._async.complete(prompt, **kw))
+
+    def close(self) -> None:
+        if self._loop.is_running():
+            self._call(self._async.close())
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5)
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+__all__ = ["Client", "AsyncClient", "Chunk", "Result", "TandemError", "DEFAULT_ENDPOINT"]
