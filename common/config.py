@@ -88,7 +88,7 @@ def load(cls: type, service: str, argv: list[str] | None = None, env: dict | Non
     for f in fields(cls):
         parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=None,
                             help=_field_help(cls, f.name))
-    args = parser.parse_args(argv or [])
+    args = parser.parse_args(argv)  # None = sys.argv[1:]
 
     values: dict = {}
     if args.config:

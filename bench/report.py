@@ -1,0 +1,75 @@
+"""What every benchmark records: the machine and versions, robust summaries, Welch's t, JSON."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+
+def machine() -> dict:
+    cpu = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    versions = {}
+    for mod in ("torch", "transformers", "llama_cpp", "zmq", "msgspec", "numpy"):
+        try:
+            versions[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001 - a missing library is just not recorded
+            pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+            "platform": platform.platform(), "versions": versions,
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def summary(xs: list[float]) -> dict:
+    """Median and spread (IQR; min/max) of repeated trials."""
+    xs = sorted(xs)
+    if not xs:
+        return {"n": 0}
+    q = statistics.quantiles(xs, n=4, method="inclusive") if len(xs) > 1 else [xs[0]] * 3
+    return {"n": len(xs), "median": statistics.median(xs), "iqr": q[2] - q[0],
+            "min": xs[0], "max": xs[-1], "mean": statistics.fmean(xs),
+            "stdev": statistics.stdev(xs) if len(xs) > 1 else 0.0}
+
+
+def welch_t(a: list[float], b: list[float]) -> float:
+    """Welch's t statistic of mean(a) - mean(b); |t| > 2.5 is the DySCo paper's criterion."""
+    if len(a) < 2 or len(b) < 2:
+        return float("nan")
+    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
+    if va + vb == 0:
+        return float("inf") if statistics.fmean(a) != statistics.fmean(b) else 0.0
+    return (statistics.fmean(a) - statistics.fmean(b)) / math.sqrt(va + vb)
+
+
+def write_json(path: str | None, bench: str, scenario: str, results: list[dict], **extra) -> dict:
+    doc = {"bench": bench, "scenario": scenario, "machine": machine(), "results": results, **extra}
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(doc, indent=2, default=float) + "\n")
+    return doc
+
+
+def table(rows: list[dict], cols: list[tuple[str, str]]) -> str:
+    """A fixed-width text table: cols = [(key, header)]."""
+    cells = [[h for _, h in cols]] + [[_fmt(r.get(k)) for k, _ in cols] for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(cols))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+    return "" if v is None else str(v)

@@ -1,0 +1,137 @@
+"""The service runtime on loopback: garbage in gets an Error out and the service stays up;
+peers match replies, time out cleanly and see a dead service go down; config precedence."""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+
+import msgpack
+import pytest
+import zmq
+import zmq.asyncio
+
+from common import protocol as p
+from common.config import ServiceConfig, load
+from common.launcher import free_port
+from common.runtime import PeerError, Service
+
+
+class Echo(Service):
+    name = "echo"
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.route(p.DraftRequest, self.on_draft)
+
+    async def on_draft(self, ident, msg, frames):
+        if msg.n == 13:
+            raise RuntimeError("unlucky")          # a bug in a handler
+        if msg.n > 100:
+            raise p.ProtocolError(p.BAD_FIELD, "n too large")
+        await self.send(ident, p.DraftTokens(sid=msg.sid, rid=msg.rid, start=0,
+                                             token_ids=list(range(msg.n)), probs=[1.0] * msg.n))
+
+
+def cfg(**kw):
+    c = ServiceConfig(bind=f"tcp://127.0.0.1:{free_port()}", http_port=0, heartbeat_s=0.2,
+                      peer_timeout_s=0.8, max_tokens=1000, **kw)
+    return c
+
+
+async def _with_service(fn):
+    svc = Echo(cfg())
+    task = asyncio.get_running_loop().create_task(svc.serve())
+    while not svc.ready:
+        await asyncio.sleep(0.01)
+    try:
+        await fn(svc)
+    finally:
+        svc.stop()
+        await asyncio.wait_for(task, 5)
+
+
+def run(fn):
+    asyncio.run(_with_service(fn))
+
+
+def test_garbage_gets_errors_and_service_survives():
+    async def body(svc):
+        ctx = zmq.asyncio.Context.instance()
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(svc.bound_endpoint)
+        cases = [
+            [b"\x00\xff garbage"],
+            [msgpack.packb({"v": 1, "type": "what", "rid": 5})],
+            [msgpack.packb({"v": 99, "type": "ping", "rid": 6})],
+            [msgpack.packb({"v": 1, "type": "draft", "n": "x", "rid": 7})],
+            [msgpack.packb({"v": 1, "type": "draft", "n": 13, "rid": 8})],
+            [msgpack.packb({"v": 1, "type": "draft", "n": 101, "rid": 9})],
+            [msgpack.packb({"v": 1, "type": "verify", "round": 1, "end": 2, "rid": 10})],
+            [msgpack.packb({"v": 1, "type": "hidden", "cut": 1, "start": 0, "rid": 11,
+                            "hidden": {"dtype": "float16", "shape": [4], "frame": 0}}), b"12"],
+        ]
+        want = [p.BAD_FRAME, p.UNKNOWN_TYPE, p.BAD_VERSION, p.BAD_FIELD, p.INTERNAL, p.BAD_FIELD,
+                p.WRONG_SERVICE, p.BAD_TENSOR]
+        for frames, code in zip(cases, want):
+            await s.send_multipart(frames)
+            reply = p.decode(await asyncio.wait_for(s.recv_multipart(), 5), p.Limits())
+            assert isinstance(reply, p.Error) and reply.code == code, (frames, reply)
+        # still serving, and rids let the client match the error to its request
+        await s.send_multipart(p.encode(p.DraftRequest(sid="a", rid=42, n=3)))
+        reply = p.decode(await asyncio.wait_for(s.recv_multipart(), 5), p.Limits())
+        assert isinstance(reply, p.DraftTokens) and reply.rid == 42 and reply.token_ids == [0, 1, 2]
+        # health endpoints
+        for path, status in (("/healthz", 200), ("/readyz", 200)):
+            url = f"http://127.0.0.1:{svc.http_port}{path}"
+            r = await asyncio.to_thread(urllib.request.urlopen, url, None, 5)
+            assert r.status == status
+        body = (await asyncio.to_thread(urllib.request.urlopen,
+                                        f"http://127.0.0.1:{svc.http_port}/metrics", None, 5)).read()
+        assert b'tandem_errors_total{code="bad_frame",service="echo"}' in body
+        s.close()
+    run(body)
+
+
+def test_peer_request_reply_timeout_and_down_detection():
+    async def body(svc):
+        peer = svc.peer("echo-self", svc.bound_endpoint)
+        peer.timeout_s = 0.8
+        assert await peer.wait_up(5)
+        reply, _ = await peer.request(p.DraftRequest(sid="x", n=2), timeout=5)
+        assert reply.token_ids == [0, 1]
+        with pytest.raises(PeerError) as e:
+            await peer.request(p.DraftRequest(sid="x", n=500), timeout=5)
+        assert e.value.code == p.BAD_FIELD
+        # many concurrent requests, each gets its own answer
+        replies = await asyncio.gather(*[peer.request(p.DraftRequest(sid="x", n=k), timeout=5)
+                                         for k in range(1, 13)])
+        assert [len(r.token_ids) for r, _ in replies] == list(range(1, 13))
+        # a peer that never answers: a clean timeout, then DOWN
+        dead = svc.peer("nobody", f"tcp://127.0.0.1:{free_port()}")
+        dead.start()
+        with pytest.raises(PeerError) as e:
+            await dead.request(p.DraftRequest(sid="x", n=1), timeout=0.3)
+        assert e.value.code == p.DEADLINE
+        assert not await dead.wait_up(0.5)
+        dead.close()
+        peer.close()
+    run(body)
+
+
+def test_config_precedence(tmp_path):
+    yml = tmp_path / "c.yaml"
+    yml.write_text("log_level: debug\nthreads: 3\nverifier:\n  heartbeat_s: 9.5\n")
+    env = {"TANDEM_THREADS": "4", "TANDEM_VERIFIER_MAX_SESSIONS": "7"}
+    c = load(ServiceConfig, "verifier", ["--config", str(yml), "--threads", "5"], env=env)
+    assert c.log_level == "debug" and c.heartbeat_s == 9.5
+    assert c.threads == 5 and c.max_sessions == 7
+    assert c.bind == "tcp://127.0.0.1:5551" and c.http_port == 9551
+    c = load(ServiceConfig, "verifier", ["--config", str(yml)], env=env)
+    assert c.threads == 4
+    yml.write_text("no_such_setting: 1\n")
+    with pytest.raises(SystemExit):
+        load(ServiceConfig, "verifier", ["--config", str(yml)], env={})
+    with pytest.raises(SystemExit):
+        load(ServiceConfig, "verifier", ["--threads", "many"], env={})
