@@ -235,7 +235,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.cmd == "up":
         if args.mode == "auto":
-            args.mode = "spec" if "drafter" in _available_services() else "cloud-only"
+            root = Path(__file__).resolve().parent.parent / "services" / "dispatcher"
+            ready = "drafter" in _available_services() and (root / "spec_mode.py").is_file()
+            args.mode = "spec" if ready else "cloud-only"
         return cmd_up(args)
     return {"down": cmd_down, "status": cmd_status, "generate": cmd_generate,
             "models": cmd_models}[args.cmd](args)
