@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib
+import json
 import sys
+from pathlib import Path
 
 BENCHES = {
     "spec": ("bench.bench_spec", "speculative policies side by side on an emulated link"),
@@ -20,7 +22,23 @@ def main(argv: list[str]) -> int:
             print(f"  {name:9s} {what}")
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     module = importlib.import_module(BENCHES[argv[0]][0])
-    return module.main(argv[1:]) or 0
+    args = list(argv[1:])
+    plot_path = None
+    if "--plot" in args:  # every bench gets --plot the same way: plot its own JSON afterwards
+        i = args.index("--plot")
+        plot_path = args[i + 1] if i + 1 < len(args) else None
+        del args[i:i + 2]
+        if plot_path is None:
+            print("--plot needs a PATH.png", file=sys.stderr)
+            return 2
+        if "--json" not in args:
+            args += ["--json", str(Path(plot_path).with_suffix(".json"))]
+    rc = module.main(args) or 0
+    if plot_path and rc == 0:
+        from bench.plots import plot  # noqa: PLC0415
+        doc = json.loads(Path(args[args.index("--json") + 1]).read_text())
+        print(f"plot: {plot(doc, plot_path)}")
+    return rc
 
 
 if __name__ == "__main__":

@@ -23,16 +23,23 @@ median ms, 2 threads (bench/bench_runner.py --gemm reproduces it):
     oneDNN, plain weight         2.4    3.5    4.1   10.1     -
     oneDNN, prepacked weight     2.3    2.3    2.5    8.4     85
 
-Why MKL is pathological here: MKL_VERBOSE shows torch calls SGEMM(T,N, m=49152, n=rows, k=576),
-the weight as the huge transposed operand and the few rows as n. For n=1 MKL never reaches a
-bandwidth-bound gemv (6.8 ms, while the 113 MB weight streams in 2.2 ms through OpenBLAS/oneDNN,
-~50 GB/s); n=2 costs two such passes (13.5 ms); from n~4 it switches to a blocked gemm that
-packs (copies) the whole weight on every call. Swapping the operands (m=rows) halves it. MKL also
-dispatches by CPU vendor: its time is unchanged under MKL_ENABLE_INSTRUCTIONS=SSE4_2 and its
-large-batch throughput is half of oneDNN's, i.e. no AVX-512 kernels on this AMD CPU, whereas oneDNN
-picks kernels by CPUID features. Prepacking the weight once (hint: 8 rows) removes the per-call
-reorder. The decoder projections are small (at most 7 MB) but show the same pattern at 8 rows
-(gate/up 0.27 ms MKL vs 0.08 ms prepacked oneDNN), so every projection is prepacked.
+Why MKL is pathological here. MKL_VERBOSE shows that torch calls SGEMM(T,N, m=49152, n=rows,
+k=576): the weight is the huge transposed operand and the few rows are n. For n=1 MKL never
+reaches a bandwidth-bound gemv (6.8 ms, while OpenBLAS and oneDNN stream the same 113 MB in
+2.2 ms, ~50 GB/s); n=2 costs two such passes (13.5 ms); from n~4 the time (11 ms for 8 rows) is
+that of a blocked gemm that re-packs the weight panel on every call. Handing MKL the same
+product with the operands swapped (m=rows, mm(W, x.T)) halves it, so MKL's small-n path is
+the first cause. The second is vendor dispatch: MKL's timings do not move under
+MKL_ENABLE_INSTRUCTIONS=SSE4_2 and its large-batch throughput is half of oneDNN's, consistent
+with MKL running no AVX-512 kernels on this AMD CPU, while oneDNN picks kernels by CPUID
+features. Prepacking the weight once (hint: 8 rows) also removes oneDNN's per-call reorder. The
+decoder projections (at most 7 MB) show the same pattern at 8 rows (gate/up 0.27 ms MKL vs
+0.08 ms prepacked oneDNN), so every projection is prepacked.
+
+Accuracy: transformers runs MKL, so logits differ from it by ~1e-4 (sums in another order), as
+much as transformers differs from itself between prefill and token-by-token decode. Prepacked
+oneDNN rows are also independent of the batch size (bit-equal for 2..128 rows; one row takes a
+gemv path in the down projection), which MKL's are not.
 """
 
 from __future__ import annotations
@@ -296,6 +303,11 @@ class LayerRangeRunner:
         for n in sizes:
             offsets.append(offsets[-1] + n)
 
+        # Room for the new tokens at every layer up front; lengths move only after the last
+        # layer, so a call that fails midway leaves every cache as it was.
+        for s, p, n in zip(segments, starts, sizes):
+            for i in range(a - s.kv.lo, b - s.kv.lo):
+                s.kv._reserve(i, p + n)
         nh, nkv, hd = self.n_heads, self.kv_heads, self.head_dim
         nqk = (nh + nkv) * hd
         for layer in range(a, b):
@@ -303,23 +315,22 @@ class LayerRangeRunner:
             h = _rms_norm(x, w["in_norm"], self.eps)
             qkv = self._linear(h, w["qkv"])  # [T, (nh + 2 nkv) hd]: q | k | v
             qkv[:, :nqk] = _rope(qkv[:, :nqk].view(T, nh + nkv, hd), cos, sin).view(T, nqk)
-            q = qkv[:, : nh * hd].view(T, nh, hd)
-            kv_new = qkv[:, nqk - nkv * hd:].view(T, 2, nkv, hd)
+            q = qkv[:, : nh * hd].view(T, nh, hd).transpose(0, 1)[None]   # [1, nh, T, hd]
+            kv_new = qkv[:, nqk - nkv * hd:].view(T, 2, nkv, hd).permute(1, 2, 0, 3)  # [2, nkv, T, hd]
             outs = []
             for s, p, n, o, mask in zip(segments, starts, sizes, offsets, masks):
-                i = layer - s.kv.lo
-                buf = s.kv._reserve(i, p + n)
-                buf[:, :, p: p + n] = kv_new[o: o + n].permute(1, 2, 0, 3)
-                s.kv.lens[i] = p + n
-                att = F.scaled_dot_product_attention(
-                    q[o: o + n].transpose(0, 1)[None], buf[0:1, :, : p + n], buf[1:2, :, : p + n],
-                    attn_mask=mask, enable_gqa=True)
-                outs.append(att[0].transpose(0, 1))  # [n, nh, hd]
-            att = torch.cat(outs).view(T, nh * hd)
+                buf = s.kv.bufs[layer - s.kv.lo]
+                buf[:, :, p: p + n] = kv_new[:, :, o: o + n]
+                outs.append(F.scaled_dot_product_attention(
+                    q[:, :, o: o + n], buf[0:1, :, : p + n], buf[1:2, :, : p + n],
+                    attn_mask=mask, enable_gqa=True))
+            att = torch.cat(outs, dim=2)[0].transpose(0, 1).reshape(T, nh * hd)
             x = x + self._linear(att, w["o"])
             gu = self._linear(_rms_norm(x, w["post_norm"], self.eps), w["gate_up"])
             inter = gu.shape[1] // 2
             x = x + self._linear(F.silu(gu[:, :inter]) * gu[:, inter:], w["down"])
+        for s, p, n in zip(segments, starts, sizes):
+            s.kv.lens[a - s.kv.lo: b - s.kv.lo] = [p + n] * (b - a)
 
         if b < self.num_layers:
             return list(x.split(sizes))

@@ -1,0 +1,181 @@
+"""LayerRangeRunner against transformers on the same threads, ragged batching, k-token verify.
+
+    python -m bench.bench_runner [--reps N] [--steps N] [--context N] [--threads N] [--gemm]
+                                 [--quick] [--json PATH]
+
+Each rep runs every case once, interleaved, so drift in machine load hits all cases alike;
+the table gives the median over reps with the spread (min-max), and ratios are taken per rep
+(paired) before the median.
+
+  decode        ms per token, one session decoding `steps` tokens after a `context`-token
+                prompt: transformers' own forward with DynamicCache vs the runner (goal <= 1.05x)
+  batch x8      one ragged step of 8 sessions (contexts context .. context+21), one new token
+                each, vs the runner's 1-session decode: tokens/s ratio (goal >= 5x)
+  verify k=8    one forward of 8 draft tokens with logits for all 8, then rollback, vs decoding
+                1 token: time ratio (goal <= 1.5x)
+  --gemm        the LM-head product (49152x576) by method and row count: why the runner uses
+                prepacked oneDNN weights (see common/runner.py)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from bench.report import summary, table, write_json
+from common.models import resolve_target
+from common.runner import PACK_ROWS, LayerRangeRunner, Segment
+
+
+def _ms(f) -> float:
+    t = time.perf_counter()
+    f()
+    return (time.perf_counter() - t) * 1e3
+
+
+def decode_cases(runner, hf, ctx: int, steps: int):
+    """Closures, each returning one measurement in ms (state is rebuilt inside, untimed)."""
+    from transformers import DynamicCache  # noqa: PLC0415
+
+    L = runner.num_layers
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(100, runner.vocab_size, (ctx + 32,), generator=gen)
+    toks = prompt[ctx:]
+
+    def hf_decode() -> float:
+        cache = DynamicCache(config=hf.config)
+        with torch.inference_mode():
+            hf(prompt[None, :ctx], cache=cache, use_cache=True)
+            return _ms(lambda: [hf(toks[None, i: i + 1], cache=cache, use_cache=True)
+                                for i in range(steps)]) / steps
+
+    kv1 = runner.new_kv()
+    runner.forward([Segment(kv1, prompt[:ctx])], 0, L)
+
+    def runner_decode() -> float:
+        kv1.truncate(ctx)
+        return _ms(lambda: [runner.forward([Segment(kv1, toks[i: i + 1])], 0, L)
+                            for i in range(steps)]) / steps
+
+    kv8 = [runner.new_kv() for _ in range(8)]
+    for j, kv in enumerate(kv8):
+        runner.forward([Segment(kv, prompt[: ctx + 3 * j])], 0, L)
+
+    def batch8() -> float:
+        for j, kv in enumerate(kv8):
+            kv.truncate(ctx + 3 * j)
+        return _ms(lambda: [runner.forward([Segment(kv, toks[i: i + 1]) for kv in kv8], 0, L)
+                            for i in range(steps)]) / steps
+
+    def verify8() -> float:
+        def run():
+            for i in range(steps):
+                runner.forward([Segment(kv1, toks[i: i + 8], "all")], 0, L)
+                kv1.truncate(ctx)
+        kv1.truncate(ctx)
+        return _ms(run) / steps
+
+    return {"hf_decode": hf_decode, "runner_decode": runner_decode, "batch8": batch8,
+            "verify8": verify8}
+
+
+def gemm_table(reps: int) -> list[dict]:
+    """LM head x @ W.T by method; numpy (OpenBLAS) last, its spinning threads disturb OpenMP."""
+    import numpy as np  # noqa: PLC0415
+
+    F = torch.nn.functional
+    V, H = 49152, 576
+    W = torch.randn(V, H)
+    packed = torch.ops.mkldnn._reorder_linear_weight(W, PACK_ROWS)
+    Wt = W.t().contiguous().numpy()
+    methods = {
+        "F.linear (MKL)": lambda x: F.linear(x, W),
+        "mm(W, x.T) (MKL, swapped)": lambda x: torch.mm(W, x.t()),
+        "oneDNN, plain weight": lambda x: torch.ops.mkldnn._linear_pointwise(x, W, None, "none", [], ""),
+        f"oneDNN, prepacked ({PACK_ROWS} rows)":
+            lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
+        "numpy x @ W.T (OpenBLAS)": lambda x: x.numpy() @ Wt,
+    }
+    rows = []
+    for name, f in methods.items():
+        row = {"method": name}
+        for m in (1, 2, 8, 64):
+            x = torch.randn(m, H)
+            f(x)
+            row[f"{m} rows ms"] = statistics.median(_ms(lambda: f(x)) for _ in range(reps))
+        rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="bench_runner", description=__doc__.split("\n")[0])
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--steps", type=int, default=16, help="decode tokens (or verify calls) per rep")
+    ap.add_argument("--context", type=int, default=128, help="prompt tokens before decoding")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--target", default=None, help="HF target dir (default: the bundled one)")
+    ap.add_argument("--gemm", action="store_true", help="also time the LM-head GEMM methods")
+    ap.add_argument("--quick", action="store_true", help="3 reps, 8 steps")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.reps, args.steps = 3, 8
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+
+    path = resolve_target(args.target)
+    runner = LayerRangeRunner(path)
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    cases = decode_cases(runner, hf, args.context, args.steps)
+    load0 = os.getloadavg()[0]
+    for f in cases.values():  # warm-up
+        f()
+    samples: dict[str, list[float]] = {k: [] for k in cases}
+    for _ in range(args.reps):
+        for k, f in cases.items():
+            samples[k].append(f())
+    load1 = os.getloadavg()[0]
+
+    pairs = list(zip(samples["hf_decode"], samples["runner_decode"], samples["batch8"],
+                     samples["verify8"]))
+    ratios = {
+        "decode runner/transformers": ([r / h for h, r, _, _ in pairs], "<= 1.05"),
+        "batch x8 tokens/s vs x1": ([8 * r / b for _, r, b, _ in pairs], ">= 5"),
+        "verify k=8 time vs decode 1": ([v / r for _, r, _, v in pairs], "<= 1.5"),
+    }
+    rows = []
+    for name, key, unit in (("transformers decode", "hf_decode", "ms/token"),
+                            ("runner decode", "runner_decode", "ms/token"),
+                            ("runner batch x8 decode", "batch8", "ms/step (8 tokens)"),
+                            ("runner verify k=8", "verify8", "ms/call (8 tokens)")):
+        s = summary(samples[key])
+        rows.append({"case": name, "median": s["median"], "min": s["min"], "max": s["max"],
+                     "unit": unit, "goal": ""})
+    for name, (xs, goal) in ratios.items():
+        s = summary(xs)
+        rows.append({"case": name, "median": s["median"], "min": s["min"], "max": s["max"],
+                     "unit": "ratio", "goal": goal})
+    print(f"LayerRangeRunner vs transformers: {threads} threads, context {args.context}, "
+          f"{args.steps} steps/rep, {args.reps} reps, load average {load0:.1f} -> {load1:.1f}")
+    print(table(rows, [("case", "case"), ("median", "median"), ("min", "min"), ("max", "max"),
+                       ("unit", "unit"), ("goal", "goal")]))
+    gemm = []
+    if args.gemm:
+        gemm = gemm_table(max(args.reps, 5))
+        print(f"\nLM head 49152x576, median ms over {max(args.reps, 5)} reps, {threads} threads")
+        print(table(gemm, [(k, k) for k in gemm[0]]))
+    write_json(args.json, "runner", f"context{args.context}", rows, gemm=gemm,
+               samples=samples, threads=threads)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""Plots of benchmark JSON documents (shape: {"bench", "scenario", "machine", "results"})."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def _spec(doc: dict, ax) -> None:
+    rows = [r for r in doc["results"] if "tpt_ms" in r and r.get("policy")]
+    labels = [r["policy"] + (f"\n{r['drafter']}" if r.get("drafter") else "") for r in rows]
+    vals = [r["tpt_ms"] for r in rows]
+    err = [r.get("tpt_ms_spread", 0) or 0 for r in rows]
+    ax.bar(range(len(rows)), vals, yerr=[e / 2 for e in err], capsize=3, color="#4c72b0")
+    ax.set_xticks(range(len(rows)), labels, rotation=45, ha="right", fontsize=8)
+    ax.set_ylabel("time per accepted token (ms, median; bar = spread)")
+    ax.set_title(f"spec — scenario {doc.get('scenario')}")
+
+
+def _split(doc: dict, ax) -> None:
+    by_sched = defaultdict(list)
+    for r in doc["results"]:
+        if "throughput_tok_s" in r and r.get("scheduler") and r.get("concurrency") is not None:
+            by_sched[r["scheduler"]].append((r["concurrency"], r["throughput_tok_s"]))
+    for sched, pts in sorted(by_sched.items()):
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=sched)
+    ax.set_xlabel("mean concurrency")
+    ax.set_ylabel("throughput (tokens/s)")
+    ax.set_title(f"split — scenario {doc.get('scenario')}")
+    ax.legend(fontsize=8)
+
+
+def _overhead(doc: dict, ax) -> None:
+    rows = [r for r in doc["results"] if r.get("kind") == "transport"]
+    ax.bar([r["message"] for r in rows], [r["rtt_us"] for r in rows], color="#55a868")
+    ax.set_ylabel("round trip (µs, median)")
+    ax.set_title("transport per hop (loopback)")
+
+
+def plot(doc: dict, path: str | Path) -> Path:
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    {"spec": _spec, "split": _split, "overhead": _overhead}.get(doc["bench"], _overhead)(doc, ax)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
