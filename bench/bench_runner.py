@@ -3,6 +3,10 @@
     python -m bench.bench_runner [--reps N] [--steps N] [--context N] [--threads N] [--gemm]
                                  [--quick] [--json PATH]
 
+On cores shared with other busy processes, OpenMP's default spin-waiting makes every parallel
+region wait on descheduled threads (5-10x slower steps measured at load 7 on 2 cores); set
+OMP_WAIT_POLICY=PASSIVE there. The line above the table shows the load average and the policy.
+
 Each rep runs every case once, interleaved, so drift in machine load hits all cases alike;
 the table gives the median over reps with the spread (min-max), and ratios are taken per rep
 (paired) before the median.
@@ -164,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"case": name, "median": s["median"], "min": s["min"], "max": s["max"],
                      "unit": "ratio", "goal": goal})
     print(f"LayerRangeRunner vs transformers: {threads} threads, context {args.context}, "
-          f"{args.steps} steps/rep, {args.reps} reps, load average {load0:.1f} -> {load1:.1f}")
+          f"{args.steps} steps/rep, {args.reps} reps, load average {load0:.1f} -> {load1:.1f}, "
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}")
     print(table(rows, [("case", "case"), ("median", "median"), ("min", "min"), ("max", "max"),
                        ("unit", "unit"), ("goal", "goal")]))
     gemm = []

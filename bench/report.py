@@ -7,6 +7,7 @@ import math
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -53,11 +54,19 @@ def welch_t(a: list[float], b: list[float]) -> float:
 
 
 def write_json(path: str | None, bench: str, scenario: str, results: list[dict], **extra) -> dict:
-    doc = {"bench": bench, "scenario": scenario, "machine": machine(), "results": results, **extra}
+    doc = {"bench": bench, "scenario": scenario, "machine": machine(),
+           "command": "python -m " + " ".join([_module_name(), *sys.argv[1:]]),
+           "results": results, **extra}
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(doc, indent=2, default=float) + "\n")
     return doc
+
+
+def _module_name() -> str:
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    return spec.name if spec is not None else Path(sys.argv[0]).name
 
 
 def table(rows: list[dict], cols: list[tuple[str, str]]) -> str:

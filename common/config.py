@@ -35,6 +35,12 @@ class ServiceConfig:
     max_frames: int = 8                      # wire limit: frames per message
     max_tokens: int = 4096                   # wire limit: token ids per message
     max_prompt_tokens: int = 8192            # longest prompt a session may open with
+    handshake_s: float = 30.0         # a peer that has not finished the ZMQ handshake by then is dropped
+    # --- CURVE on ZMQ links (common/security.py; keys from `tandem keys`); empty = plaintext ---
+    curve_secret_key: str = ""        # this service's NAME.key_secret: bind as a CURVE server
+    curve_allow_dir: str = ""         # directory of client public keys (NAME.key) allowed to connect
+    curve_client_key: str = ""        # this service's NAME.key_secret, used when dialling CURVE peers
+    curve_server_keys: str = ""       # peer=NAME.key,... public key of each peer that runs CURVE
 
     def limits(self) -> Limits:
         return Limits(max_header_bytes=self.max_header_bytes, max_frame_bytes=self.max_frame_bytes,

@@ -97,6 +97,12 @@ KV_BYTES = Gauge("tandem_kv_cache_bytes", "Bytes held in KV caches", ["service"]
 RSS = Gauge("tandem_process_resident_memory_bytes", "Peak resident set size of the process",
             ["service"])
 UP = Gauge("tandem_up", "1 once the service is ready", ["service"])
+RECOVERIES = Counter("tandem_session_recoveries_total",
+                     "Sessions rebuilt by replaying their committed tokens, by what went wrong",
+                     ["service", "mode", "reason"])
+RECOVERY_TIME = Histogram("tandem_session_recovery_seconds",
+                          "Failure detected to the first token streamed after the replay",
+                          ["service", "mode"], buckets=LATENCY)
 
 
 def refresh_process_metrics(service: str) -> None:

@@ -33,6 +33,7 @@ BAD_FIELD = "bad_field"              # a field of the wrong type or out of range
 TOO_LARGE = "too_large"              # a frame, header, frame count, prompt or token list over a limit
 BAD_TENSOR = "bad_tensor"            # dtype/shape disagree with the bytes, or unsupported dtype
 UNKNOWN_SESSION = "unknown_session"  # no such session (never opened, closed, or evicted)
+UNKNOWN_ROUND = "unknown_round"      # spec mode: a batch or NAV for a round the session never had
 SESSION_EXISTS = "session_exists"    # open for a session id already in use
 BUSY = "busy"                        # admission control: over capacity, try later
 DEADLINE = "deadline"                # the request's deadline passed
@@ -42,7 +43,7 @@ WRONG_SERVICE = "wrong_service"      # a valid message sent to a service that do
 INTERNAL = "internal"                # a bug: logged with a traceback on the service
 
 ERROR_CODES = (BAD_FRAME, BAD_VERSION, UNKNOWN_TYPE, BAD_FIELD, TOO_LARGE, BAD_TENSOR,
-               UNKNOWN_SESSION, SESSION_EXISTS, BUSY, DEADLINE, CANCELLED, UNAVAILABLE,
+               UNKNOWN_SESSION, UNKNOWN_ROUND, SESSION_EXISTS, BUSY, DEADLINE, CANCELLED, UNAVAILABLE,
                WRONG_SERVICE, INTERNAL)
 
 
@@ -170,9 +171,12 @@ class CloudTokens(Msg, tag="cloud_tokens"):
 
 # --- dispatcher <-> verifier: speculative mode ----------------------------------------------
 class SpecOpen(Msg, tag="spec_open"):
-    """Prefill the prompt; the reply is an Ack once the KV cache holds it."""
+    """Prefill the prompt; the reply is an Ack once the KV cache holds it. `stream` asks for
+    streaming verification (forward over each batch as it arrives, early reject); the
+    verifier's `stream_verify` setting must allow it."""
     token_ids: list[int]
     sampling: Sampling = msgspec.field(default_factory=Sampling)
+    stream: bool = False
 
 
 class DraftBatch(Msg, tag="draft_batch"):
@@ -206,18 +210,25 @@ class VerifyResult(Msg, tag="verify_result"):
     accepted: int
     token: int
     early: bool = False
+    forwards: int = 0     # forward passes that included this session so far (prefill included)
 
 
 # --- dispatcher <-> drafter -----------------------------------------------------------------
 class DraftOpen(Msg, tag="draft_open"):
+    """Prefill the prompt; the reply is an Ack once the drafter's context holds it."""
     token_ids: list[int]
     sampling: Sampling = msgspec.field(default_factory=Sampling)
     top_k: int = 16          # sparse q width when sampling (k <= 64)
+    max_tokens: int = 0      # positions past the prompt the session may reach (sizes its context); 0 = drafter default
 
 
 class DraftRequest(Msg, tag="draft"):
-    """Draft `n` more tokens after the current end of the session's context."""
-    n: int
+    """Draft `n` more tokens after the current end of the session's context, or, with `until`
+    > 0, keep drafting until the context holds `until` tokens (absolute; pauses there). Tokens
+    stream back one DraftTokens message each, tagged with `seq` = the drafter epoch (the seq of
+    the last DraftRollback), so the dispatcher can drop tokens drafted before a rollback."""
+    n: int = 0
+    until: int = 0
 
 
 class DraftTokens(Msg, tag="draft_tokens"):
@@ -230,9 +241,12 @@ class DraftTokens(Msg, tag="draft_tokens"):
 
 
 class DraftRollback(Msg, tag="draft_rollback"):
-    """Keep the first `keep` tokens of the context, then append `append` (the target's token)."""
+    """Keep the first `keep` tokens of the context, then append `append` (the target's token).
+    `seq` is the new drafter epoch (strictly increasing; a repeated seq is a no-op retry);
+    `until` > 0 then continues drafting up to that absolute length (as DraftRequest.until)."""
     keep: int
     append: list[int] = msgspec.field(default_factory=list)
+    until: int = 0
 
 
 # --- dispatcher <-> prefix / suffix: split mode ---------------------------------------------
@@ -250,6 +264,7 @@ class Hidden(Msg, tag="hidden"):
     cut: int
     start: int
     hidden: TensorRef
+    seconds: float = 0.0   # edge compute time of the step that produced it (latency breakdown)
 
 
 class SuffixOpen(Msg, tag="suffix_open"):
@@ -267,6 +282,8 @@ class SuffixStep(Msg, tag="suffix_step"):
 class SuffixToken(Msg, tag="suffix_token"):
     position: int      # absolute position the token is generated for
     token: int
+    seconds: float = 0.0   # cloud compute time of the window step that produced it
+    queued: float = 0.0    # time the hidden state waited in the suffix before that step
 
 
 MESSAGE_TYPES = (Ping, Pong, Error, Ack, Close, GenerateRequest, Cancel, TokenEvent, Done,
@@ -350,7 +367,7 @@ def _classify(hbytes: bytes, err: Exception) -> ProtocolError:
                              f"protocol version {raw.get('v')!r} not supported (speak {VERSION})")
     if "type" not in raw:
         return ProtocolError(BAD_FIELD, "header has no `type`")
-    if raw["type"] not in TYPE_NAMES:
+    if not isinstance(raw["type"], str) or raw["type"] not in TYPE_NAMES:
         return ProtocolError(UNKNOWN_TYPE, f"unknown message type {str(raw['type'])[:64]!r}")
     return ProtocolError(BAD_FIELD, str(err))
 
@@ -361,7 +378,8 @@ def _check_sizes(msg: Msg, limits: Limits) -> None:
         if value is not None and len(value) > limits.max_tokens:
             raise ProtocolError(TOO_LARGE,
                                 f"{name} has {len(value)} entries > limit {limits.max_tokens}")
-    for name in ("seq", "rid", "start", "index", "round", "end", "n", "keep", "max_tokens", "cut"):
+    for name in ("seq", "rid", "start", "index", "round", "end", "n", "keep", "max_tokens", "cut",
+                 "until", "parent"):
         value = getattr(msg, name, None)
         if isinstance(value, int) and value < 0:
             raise ProtocolError(BAD_FIELD, f"{name} must be >= 0, got {value}")

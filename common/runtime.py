@@ -28,7 +28,7 @@ import zmq
 import zmq.asyncio
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from common import metrics, protocol
+from common import metrics, protocol, security
 from common.config import ServiceConfig
 from common.protocol import Msg, ProtocolError
 
@@ -40,8 +40,10 @@ RECONNECT_MAX_MS = 2000  # backoff cap between reconnect attempts
 HEARTBEAT_RID = 0        # request id reserved for heartbeats; real requests start at 1
 
 
-def _tune(sock: zmq.Socket, heartbeat_s: float) -> None:
+def _tune(sock: zmq.Socket, heartbeat_s: float, handshake_s: float | None = None) -> None:
     sock.setsockopt(zmq.LINGER, LINGER_MS)
+    if handshake_s is not None:  # a peer stuck mid-handshake (slow or hostile) is dropped
+        sock.setsockopt(zmq.HANDSHAKE_IVL, max(1, int(handshake_s * 1000)))
     sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_MS)
     sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_MAX_MS)
     # ZMTP-level heartbeats detect a dead TCP connection even when no application traffic flows.
@@ -70,6 +72,7 @@ class Service:
         self.peers: list[Peer] = []
         self.bound_endpoint = ""
         self.http_port = 0
+        self.auth = None              # ZAP authenticator when the socket is a CURVE server
         self._tasks: set[asyncio.Task] = set()
         self._compute_lock = threading.Lock()
         self.route(protocol.Ping, self._on_ping)
@@ -87,7 +90,8 @@ class Service:
     def peer(self, name: str, endpoint: str) -> "Peer":
         p = Peer(self.ctx, endpoint, name=name, owner=self.name,
                  heartbeat_s=self.cfg.heartbeat_s, timeout_s=self.cfg.peer_timeout_s,
-                 limits=self.limits)
+                 limits=self.limits, curve=security.client_keys(self.cfg, name),
+                 handshake_s=self.cfg.handshake_s)
         self.peers.append(p)
         return p
 
@@ -136,7 +140,10 @@ class Service:
     async def _dispatch(self, ident: bytes, frames: list) -> None:
         try:
             msg = protocol.decode(frames, self.limits)
-        except ProtocolError as e:
+        except Exception as e:  # noqa: BLE001 - a decoder bug must not take the service down
+            if not isinstance(e, ProtocolError):
+                self.log.exception("decoder failed on a message")
+                e = ProtocolError(protocol.BAD_FRAME, f"undecodable message ({type(e).__name__})")
             sid, seq, rid = protocol.peek_ids(frames)
             metrics.ERRORS.labels(self.name, e.code).inc()
             await self.send(ident, protocol.Error(sid=sid, seq=seq, rid=rid, code=e.code,
@@ -167,8 +174,20 @@ class Service:
     async def serve(self) -> None:
         self.stopping = asyncio.Event()
         self.sock = self.ctx.socket(zmq.ROUTER)
-        _tune(self.sock, self.cfg.heartbeat_s)
+        _tune(self.sock, self.cfg.heartbeat_s, self.cfg.handshake_s)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # a frame up to twice the wire limit is read and answered `too_large`; a peer that
+        # announces more (say 1 TB) is disconnected before ZMQ allocates or reads any of it
+        limit = max(self.limits.max_frame_bytes, self.limits.max_header_bytes)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, 2 * limit + (1 << 20))
+        # a ZAP domain makes libzmq refuse unversioned (ZMTP 1.0) peers — any stream of bytes
+        # not starting with a ZMTP greeting — which it would otherwise hold open forever;
+        # with no ZAP handler (plaintext) every ZMTP 3 peer is let in as before
+        self.sock.setsockopt(zmq.ZAP_DOMAIN, security.ZAP_DOMAIN.encode())
+        curve = security.server_keys(self.cfg)
+        if curve is not None:  # before bind: every connection must then speak CURVE
+            security.apply_server(self.sock, curve)
+            self.auth = security.start_authenticator(self.ctx, curve)
         self.sock.bind(self.cfg.bind)
         self.bound_endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         http = await asyncio.start_server(self._http, self.cfg.http_host, self.cfg.http_port)
@@ -199,6 +218,8 @@ class Service:
                 p.close()
             http.close()
             self.sock.close(linger=LINGER_MS)
+            if self.auth is not None:
+                self.auth.stop()
             self.ctx.term()
 
     def stop(self) -> None:
@@ -218,7 +239,10 @@ class Service:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.stop)
             await self.serve()
-        runner(main())
+        try:
+            runner(main())
+        except security.KeyFileError as e:  # a configuration error: say so, no traceback
+            raise SystemExit(f"{self.name}: {e}") from None
 
     # --- HTTP: /metrics, /healthz, /readyz ----------------------------------------------------
     async def _http(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -243,8 +267,8 @@ class Service:
                          f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
                          + body)
             await writer.drain()
-        except (asyncio.TimeoutError, ConnectionError):
-            pass
+        except (asyncio.TimeoutError, ConnectionError, ValueError):
+            pass  # slow, vanished or oversize (a line over 64 KiB): drop the connection
         finally:
             writer.close()
 
@@ -292,8 +316,11 @@ class Peer:
 
     def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, name: str, owner: str,
                  heartbeat_s: float = 2.0, timeout_s: float = 6.0,
-                 limits: protocol.Limits | None = None):
+                 limits: protocol.Limits | None = None,
+                 curve: security.ClientKeys | None = None, handshake_s: float | None = None):
         self.ctx = ctx
+        self.curve = curve            # CURVE client keys when the peer runs CURVE
+        self.handshake_s = handshake_s
         self.endpoint = endpoint
         self.name = name
         self.owner = owner
@@ -315,7 +342,9 @@ class Peer:
     def _connect(self) -> None:
         self._sock = self.ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.IDENTITY, f"{self.owner}-{uuid.uuid4().hex[:12]}".encode())
-        _tune(self._sock, self.heartbeat_s)
+        _tune(self._sock, self.heartbeat_s, self.handshake_s)
+        if self.curve is not None:
+            security.apply_client(self._sock, self.curve)
         self._sock.connect(self.endpoint)
         self.generation += 1
 

@@ -7,6 +7,7 @@
     tandem generate PROMPT ...  one request through the SDK
     tandem models prepare       make the bundled target and drafter (once, cached)
     tandem link ...             the WAN emulator (common/wan_cli.py)
+    tandem keys ...             CURVE key pairs for the edge-cloud links (tandem/keys.py)
     tandem bench ...            benchmarks (bench/)
 """
 
@@ -224,9 +225,10 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("action", choices=["prepare", "show"])
     sub.add_parser("link", help="WAN emulator (see `tandem link --help`)", add_help=False)
     sub.add_parser("bench", help="benchmarks (see `tandem bench --help`)", add_help=False)
+    sub.add_parser("keys", help="CURVE key pairs (see `tandem keys --help`)", add_help=False)
 
-    if argv and argv[0] in ("link", "bench"):
-        module = {"link": "common.wan_cli", "bench": "bench.cli"}[argv[0]]
+    if argv and argv[0] in ("link", "bench", "keys"):
+        module = {"link": "common.wan_cli", "bench": "bench.cli", "keys": "tandem.keys"}[argv[0]]
         return importlib.import_module(module).main(argv[1:]) or 0
     args, rest = ap.parse_known_args(argv)
     if args.cmd == "serve":

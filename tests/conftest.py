@@ -7,6 +7,10 @@ import functools
 import os
 import warnings
 
+# Test processes and the services they start share two cores: OpenMP's default spin-waiting
+# makes every forward 5-10x slower under that contention (measured by the runner's tests).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import pytest
 import torch
 

@@ -5,10 +5,10 @@ from common.config import ServiceConfig, default_endpoint
 
 @dataclass
 class DispatcherConfig(ServiceConfig):
-    verifier: str = default_endpoint("verifier")  # cloud: target model (cloud-only and spec modes)
+    verifier: str = default_endpoint("verifier")  # cloud: target model (cloud-only and spec modes); comma-separated replicas
     drafter: str = default_endpoint("drafter")    # edge: draft model (spec mode)
     prefix: str = default_endpoint("prefix")      # edge: layers [0, c) (split mode)
-    suffix: str = default_endpoint("suffix")      # cloud: layers [c, L) (split mode)
+    suffix: str = default_endpoint("suffix")      # cloud: layers [c, L) (split mode); comma-separated replicas
     target: str = "bundled"                       # HF dir whose tokenizer the dispatcher uses
     default_mode: str = "cloud-only"              # mode of a request that names none
     default_policy: str = "pipesd"                # spec policy of a request that names none
@@ -16,3 +16,20 @@ class DispatcherConfig(ServiceConfig):
     max_new_tokens: int = 4096                    # largest max_tokens a request may ask for
     request_timeout_s: float = 120.0              # a request with no deadline gets this one
     peer_wait_s: float = 10.0                     # wait this long for a down peer before failing
+    # --- speculative mode (PipeSD), services/dispatcher/spec_mode.py ---
+    spec_lookahead: int = 96                      # drafter may run this many tokens past the committed prefix
+    spec_r1: float = 0.90                         # dual-threshold R1 (cumulative) before/without tuning
+    spec_r2: float = 0.94                         # dual-threshold R2 (single token); HSL's threshold too
+    spec_bo: bool = True                          # BO autotuner moves (R1, R2) of the pipesd policies on live traffic
+    spec_max_draft: int = 64                      # cap on draft tokens per round (every threshold policy)
+    spec_fixed_length: int = 8                    # draft length N of the vanilla policy
+    spec_proactive_depth: int = 1                 # proactive rounds in flight behind the active one (PipeSD: 1)
+    spec_q_width: int = 16                        # sparse draft distribution width when sampling (<= 64)
+    spec_alpha_s: float = 0.002                   # α seed: per-batch transmission cost before measurements
+    spec_beta_s: float = 0.0002                   # β seed: per-token transmission cost before measurements
+    spec_gamma_s: float = 0.015                   # γ seed: drafter seconds per token before measurements
+    # --- reliability (services/dispatcher/recovery.py) and per-client limits (common/security.py) ---
+    stall_s: float = 20.0                         # a session that hears nothing this long (time left) is replayed
+    max_recoveries: int = 8                       # replays of one request before it fails
+    client_max_sessions: int = 0                  # requests one client may have in flight (busy beyond); 0 = no limit
+    client_max_tokens: int = 0                    # prompt + max_tokens one client may have in flight; 0 = no limit

@@ -16,10 +16,11 @@ import importlib
 import time
 import uuid
 
-from common import metrics, protocol
+from common import metrics, protocol, security
 from common.config import load
 from common.protocol import Msg, ProtocolError
 from common.runtime import PeerError, Service
+from services.dispatcher import recovery
 from services.dispatcher.config import DispatcherConfig
 
 MODES = {"cloud-only": "services.dispatcher.cloud_only",
@@ -135,10 +136,13 @@ class Dispatcher(Service):
         super().__init__(cfg)
         self.cfg: DispatcherConfig = cfg
         self.requests: dict[tuple[bytes, int], Request] = {}
-        self.verifier = self.peer("verifier", cfg.verifier)
+        self.verifiers = recovery.replicas(self, "verifier", cfg.verifier)  # comma-separated
+        self.verifier = self.verifiers[0]
         self.drafter = self.peer("drafter", cfg.drafter)
         self.prefix = self.peer("prefix", cfg.prefix)
-        self.suffix = self.peer("suffix", cfg.suffix)
+        self.suffixes = recovery.replicas(self, "suffix", cfg.suffix)
+        self.suffix = self.suffixes[0]
+        self.quota = security.ClientQuota(cfg.client_max_sessions, cfg.client_max_tokens)
         self.modes: dict = {}
         self.route(protocol.GenerateRequest, self.on_generate)
         self.route(protocol.Cancel, self.on_cancel)
@@ -198,6 +202,9 @@ class Dispatcher(Service):
             raise ProtocolError(protocol.BUSY, f"{len(self.requests)} requests in flight")
         policy = (msg.policy or self.cfg.default_policy) if mode == "spec" else mode
         req = Request(self, ident, msg, self.prompt_ids(msg), mode, policy)
+        req.client = security.client_id(ident, frames)
+        req.quota = len(req.prompt_ids) + msg.max_tokens
+        self.quota.admit(req.client, req.quota)       # per-client limits: busy / too_large
         self.requests[key] = req
         metrics.ACTIVE_SESSIONS.labels(self.name, mode).inc()
         metrics.PROMPT_TOKENS.labels(self.name, mode).inc(len(req.prompt_ids))
@@ -211,6 +218,7 @@ class Dispatcher(Service):
     async def serve_request(self, key, req: Request) -> None:
         labels = (self.name, req.mode, req.policy)
         outcome = "ok"
+        reply = None  # the request's last message: Done, or (code, message) for an Error
         runner = asyncio.ensure_future(self.modes[req.mode].run(req))
         cancel = asyncio.ensure_future(req.cancelled.wait())
         try:
@@ -219,34 +227,35 @@ class Dispatcher(Service):
             if runner in done:
                 runner.result()  # re-raise the mode's failure
                 req.finish_reason = req.finish_reason or "length"
-                await self.send(req.ident, protocol.Done(sid=req.msg.sid, rid=req.rid,
-                                                         finish_reason=req.finish_reason,
-                                                         stats=req.summary()))
+                reply = protocol.Done(sid=req.msg.sid, rid=req.rid,
+                                      finish_reason=req.finish_reason, stats=req.summary())
             elif cancel in done:
                 outcome = "cancelled"
                 req.finish_reason = "cancelled"
-                await self.send(req.ident, protocol.Done(sid=req.msg.sid, rid=req.rid,
-                                                         finish_reason="cancelled",
-                                                         stats=req.summary()))
+                reply = protocol.Done(sid=req.msg.sid, rid=req.rid, finish_reason="cancelled",
+                                      stats=req.summary())
             else:
                 outcome = "deadline"
-                await self.error(req.ident, req.msg, protocol.DEADLINE,
-                                 f"deadline passed after {len(req.tokens)} tokens")
-        except PeerError as e:
+                reply = (protocol.DEADLINE, f"deadline passed after {len(req.tokens)} tokens")
+        except (PeerError, ProtocolError) as e:
             outcome = "error"
-            await self.error(req.ident, req.msg, e.code, e.message)
-        except ProtocolError as e:
-            outcome = "error"
-            await self.error(req.ident, req.msg, e.code, e.message)
+            reply = (e.code, e.message)
         except Exception as e:  # noqa: BLE001
             outcome = "error"
             self.log.exception("request %s failed", req.sid)
-            await self.error(req.ident, req.msg, protocol.INTERNAL, f"{type(e).__name__}: {e}")
+            reply = (protocol.INTERNAL, f"{type(e).__name__}: {e}")
         finally:
             for t in (runner, cancel):
                 t.cancel()
             await asyncio.gather(runner, cancel, return_exceptions=True)
+            # free the request's slots before the client hears it is over, so a client that
+            # resubmits at once is never refused by its own finished request
             self.requests.pop(key, None)
+            self.quota.release(req.client, req.quota)
+            if isinstance(reply, tuple):
+                await self.error(req.ident, req.msg, *reply)
+            elif reply is not None:
+                await self.send(req.ident, reply)
             metrics.ACTIVE_SESSIONS.labels(self.name, req.mode).dec()
             metrics.REQUESTS.labels(*labels, outcome).inc()
             if req.tokens and outcome == "ok":

@@ -160,6 +160,10 @@ class Verifier(Service):
 
     async def on_cloud_generate(self, ident: bytes, msg: protocol.CloudGenerate, frames) -> None:
         if not self.admit(msg, msg.token_ids):
+            old = self.sessions[msg.sid]
+            if not isinstance(old, CloudSession):  # same sid and seq, but another kind of session
+                raise ProtocolError(protocol.SESSION_EXISTS, f"session {msg.sid!r} is already open")
+            old.ident, old.rid = ident, msg.rid    # a retry: the stream goes to whoever asked last
             return
         if msg.max_tokens < 1:
             raise ProtocolError(protocol.BAD_FIELD, "max_tokens must be >= 1")

@@ -1,5 +1,427 @@
-"""Speculative-mode sessions on the verifier (DESIGN.md §3)."""
+"""Speculative-mode sessions on the verifier (DESIGN.md §3).
+
+A `SpecSession` plugs into the verifier's engine loop, so the draft tokens of many sessions are
+verified in one ragged forward pass. Its state, with C = committed tokens (prompt + output):
+
+    KV cache   positions [0, C-1) always; the last committed token `t_last` (position C-1) is
+               fed with the next draft tokens, so its logits row checks the first draft
+    stream     received, unverified tokens at positions C, C+1, ... : the active round's drafts,
+               then possibly a proactive round's tokens (the first one is its *guess* of the
+               active round's bonus token, the rest are its drafts)
+    decisions  position -> the target's token there and whether the stream token matched it,
+               filled as soon as the logits row for a position and its token are both known
+
+Rounds (ids from the dispatcher, increasing): the *active* round has start = C; behind it a
+*chain* of proactive rounds, each drafted while the one before was being verified (`parent` =
+that round's id; PipeSD sends one such round, the dispatcher may send more). When the active
+round resolves (first rejected draft, or all drafts up to its NAV end accepted plus the bonus
+token at `end`) the result goes back and C advances; the first proactive round is kept (and
+becomes active) only if the round was fully accepted and the bonus equals that round's guess;
+otherwise the whole chain is discarded with every row and KV entry past the new C - 1
+(`kv.truncate`).
+
+Streaming verification (`stream`): the forward runs over tokens as they arrive, rows are
+checked at once, and a rejected draft resolves the round immediately (VerifyResult early=True)
+without waiting for the NAV. Without it the forward runs at NAV time over the round (PipeSD).
+
+Idempotency: a resent batch (same round, overlapping positions, same tokens) and a repeated NAV
+are answered from state; a result is never computed twice. A round the session never had, a gap
+or a changed token is an Error with a stable code. The KV cache changes only between forward
+passes (`inflight` guards it), since the forward runs on the compute thread.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from common import metrics, protocol, sampling
+from common.protocol import Msg, ProtocolError
+from services.verifier import spec_verify
+from services.verifier.service import EngineSession, Work
+
+KEEP_RESULTS = 256     # rounds whose results are remembered for repeated NAVs
+MAX_CHAIN = 64         # proactive rounds a session may have behind its active one
+MAX_Q_WIDTH = 64
 
 
+@dataclass
+class Entry:
+    token: int
+    round: int
+    guess: bool                       # first token of a proactive round: its parent's bonus guess
+    q_ids: np.ndarray | None = None   # sparse draft distribution (sampling)
+    q_probs: np.ndarray | None = None
+
+
+@dataclass
+class Round:
+    id: int
+    parent: int
+    base: int                 # position of its first token (a child's guess)
+    start: int                # its first draft position (base, or base + 1 for a child)
+    next: int                 # position after its last received token
+    nav_end: int | None = None
+    closed: bool = False      # no more tokens: its NAV or its child arrived
+
+
+@dataclass
+class Outcome:
+    end: int       # position of the target's token (start + accepted)
+    token: int
+    full: bool     # every draft up to the NAV end accepted (the token is the bonus)
+
+
+class SpecSession(EngineSession):
+
+    def __init__(self, sid: str, ident: bytes, rid: int, seq: int, kv, prompt: list[int],
+                 s: protocol.Sampling, stream: bool, vocab_size: int, max_stream: int = 4096):
+        super().__init__(sid, ident, rid, seq, kv)
+        self.sampling = s
+        self.greedy = sampling.is_greedy(s)
+        self.stream_verify = stream
+        self.vocab_size = vocab_size
+        self.max_stream = max_stream
+        self.prefill = list(prompt[:-1])
+        self.prefilled = not self.prefill
+        self.C = len(prompt)
+        self.t_last = prompt[-1]
+        self.stream: list[Entry] = []
+        self.decisions: dict[int, spec_verify.Decision] = {}
+        self.tail: torch.Tensor | None = None   # the row predicting position tail_pos
+        self.tail_pos = -1
+        self.active: Round | None = None
+        self.chain: list[Round] = []    # proactive rounds behind the active one, in order
+        self.results: OrderedDict[int, tuple[protocol.VerifyResult, Outcome]] = OrderedDict()
+        self.discarded: set[int] = set()
+        self.max_round = 0
+        self.forwards = 0
+        self.inflight = False
+        self.feed_from = 0
+
+    # --- engine loop ------------------------------------------------------------------------------
+    def next_work(self, budget: int) -> Work | None:
+        if self.closed:
+            return None
+        if self.prefill:
+            take = self.prefill[:budget]
+            self.inflight = True
+            return Work(take, "none", "prefill")
+        end = self._feed_end()
+        if end < self.C:
+            return None
+        fed = self.kv.length()
+        tokens, pos0 = [], fed
+        if fed == self.C - 1:
+            tokens.append(self.t_last)
+        for p in range(max(fed, self.C), end):
+            tokens.append(self.stream[p - self.C].token)
+        tokens = tokens[:budget]
+        if not tokens:
+            return None
+        self.inflight = True
+        self.feed_from = pos0
+        return Work(tokens, "all", "verify")
+
+    def _feed_end(self) -> int:
+        """Feed stream tokens at positions < this."""
+        r = self.active
+        if self.stream_verify:
+            # everything up to the first mismatch (a rejected draft, or a proactive guess that
+            # is not the bonus): nothing after it can be kept
+            for p in range(self.C, self.C + len(self.stream)):
+                d = self.decisions.get(p)
+                if d is not None and not d.accepted:
+                    return p
+            return self.C + len(self.stream)
+        if r is not None and r.nav_end is not None:
+            return r.nav_end
+        return self.C - 1   # nothing to feed (t_last waits for the NAV too)
+
+    def consume(self, work: Work, logits: torch.Tensor) -> list[Msg]:
+        self.inflight = False
+        self.forwards += 1
+        if work.phase == "prefill":
+            del self.prefill[:len(work.token_ids)]
+            if self.prefill:
+                return []
+            self.prefilled = True
+            return [protocol.Ack(sid=self.sid, seq=self.seq, rid=self.rid)]
+        for i in range(logits.shape[0]):
+            self._row(self.feed_from + i + 1, logits[i])
+        return self.resolve()
+
+    def _row(self, position: int, row: torch.Tensor) -> None:
+        """A logits row for `position` arrived: decide the token there, or keep the row."""
+        k = position - self.C
+        if k < 0:
+            return
+        if k < len(self.stream) and position not in self.decisions:
+            self.decisions[position] = self._decide(position, self.stream[k], row)
+        self.tail, self.tail_pos = row, position   # rows arrive in order: keep the newest
+
+    def _decide(self, position: int, e: Entry, row: torch.Tensor) -> spec_verify.Decision:
+        if e.guess:   # the parent's bonus position: the target's own token, compared with the guess
+            token = spec_verify.bonus(row, self.sampling, position)
+            return spec_verify.Decision(token, token == e.token)
+        return spec_verify.decide(row, e.token, self.sampling, position, e.q_ids, e.q_probs)
+
+    # --- rounds -----------------------------------------------------------------------------------
+    def _outcome(self, r: Round) -> Outcome | None:
+        end = r.nav_end if r.nav_end is not None else r.next
+        for p in range(r.start, end):
+            d = self.decisions.get(p)
+            if d is None:
+                return None
+            if not d.accepted:
+                return Outcome(p, d.token, False)
+        if r.nav_end is None:
+            return None
+        d = self.decisions.get(end)
+        if d is not None:
+            return Outcome(end, d.token, True)
+        if self.tail is not None and self.tail_pos == end:
+            return Outcome(end, spec_verify.bonus(self.tail, self.sampling, end), True)
+        return None
+
+    def resolve(self) -> list[Msg]:
+        """Resolve every round that can be (the active one, then kept proactive ones...)."""
+        out: list[Msg] = []
+        while self.active is not None and not self.inflight:
+            r = self.active
+            o = self._outcome(r)
+            if o is None:
+                break
+            out.append(self._commit(r, o))
+        return out
+
+    def _commit(self, r: Round, o: Outcome) -> protocol.VerifyResult:
+        accepted = o.end - r.start
+        new_c = o.end + 1
+        child = self.chain[0] if self.chain else None
+        kept = (o.full and child is not None and child.base == o.end
+                and self.stream[o.end - self.C].guess and self.stream[o.end - self.C].token == o.token)
+        early = r.nav_end is None
+        if kept:
+            del self.stream[:new_c - self.C]
+            self.decisions = {p: d for p, d in self.decisions.items() if p >= new_c}
+            self.active = self.chain.pop(0)
+        else:
+            self.discarded.update(c.id for c in self.chain)
+            self.chain = []
+            self.active = None
+            self.stream = []
+            self.decisions = {}
+            self.tail, self.tail_pos = None, -1
+            if self.kv.length() > new_c - 1:
+                self.kv.truncate(new_c - 1)
+        self.C, self.t_last = new_c, o.token
+        res = protocol.VerifyResult(sid=self.sid, seq=r.id, rid=self.rid, round=r.id, start=r.start,
+                                    accepted=accepted, token=o.token, early=early,
+                                    forwards=self.forwards)
+        self.results[r.id] = (res, o)
+        while len(self.results) > KEEP_RESULTS:
+            self.results.popitem(last=False)
+        if early:
+            metrics.EARLY_REJECTS.labels("verifier").inc()
+        return res
+
+    # --- messages ---------------------------------------------------------------------------------
+    def on_batch(self, msg: protocol.DraftBatch, q_ids, q_probs) -> None:
+        """Take a batch of draft tokens; raises ProtocolError on an inconsistent one."""
+        rid = msg.round
+        if rid in self.results or rid in self.discarded:
+            return   # late or resent batch of a finished round
+        if self.active is not None and rid == self.active.id:
+            self._append(self.active, msg, q_ids, q_probs)
+        elif any(c.id == rid for c in self.chain):
+            self._append(next(c for c in self.chain if c.id == rid), msg, q_ids, q_probs)
+        elif rid > self.max_round:
+            self._open(msg, q_ids, q_probs)
+        else:
+            raise ProtocolError(protocol.UNKNOWN_ROUND, self._rounds_text(rid))
+
+    def _open(self, msg: protocol.DraftBatch, q_ids, q_probs) -> None:
+        rid, parent = msg.round, msg.parent
+        if parent == 0:
+            if self.active is not None:
+                raise ProtocolError(protocol.BAD_FIELD, f"round {rid} opened while round "
+                                                        f"{self.active.id} is unresolved")
+            if msg.start != self.C:
+                raise ProtocolError(protocol.BAD_FIELD, f"round {rid} starts at {msg.start}; "
+                                                        f"{self.C} tokens are committed")
+            self.active = Round(rid, 0, self.C, self.C, self.C)
+            self.max_round = rid
+            self._append(self.active, msg, q_ids, q_probs)
+        elif self.active is not None and parent == (self.chain or [self.active])[-1].id:
+            last = (self.chain or [self.active])[-1]
+            if msg.start != last.next:
+                raise ProtocolError(protocol.BAD_FIELD,
+                                    f"proactive round {rid} starts at {msg.start}, its parent "
+                                    f"{parent} ends at {last.next}")
+            if len(self.chain) >= MAX_CHAIN:
+                raise ProtocolError(protocol.TOO_LARGE, f"more than {MAX_CHAIN} proactive rounds")
+            last.closed = True
+            r = Round(rid, parent, msg.start, msg.start + 1, msg.start)
+            self.chain.append(r)
+            self.max_round = rid
+            self._append(r, msg, q_ids, q_probs)
+        elif parent in self.results and self.active is None:
+            # the parent resolved before its child's first batch arrived
+            _, o = self.results[parent]
+            self.max_round = rid
+            if o.full and msg.start == o.end and msg.token_ids[0] == o.token and self.C == o.end + 1:
+                self.active = Round(rid, parent, o.end, o.end + 1, o.end + 1)
+                self._append(self.active, _skip_first(msg), _rows(q_ids, 1), _rows(q_probs, 1))
+            else:
+                self.discarded.add(rid)
+        elif parent in self.results or parent in self.discarded:
+            self.max_round = rid
+            self.discarded.add(rid)   # its parent was rejected: nothing to keep
+        else:
+            raise ProtocolError(protocol.UNKNOWN_ROUND,
+                                f"round {rid} names parent {parent}, which is not an open round "
+                                f"of this session ({self._rounds_text(rid)})")
+
+    def _append(self, r: Round, msg: protocol.DraftBatch, q_ids, q_probs) -> None:
+        start, tokens = msg.start, list(msg.token_ids)
+        if start > r.next:
+            raise ProtocolError(protocol.BAD_FIELD, f"round {r.id}: batch starts at {start}, "
+                                                    f"expected {r.next} (a batch is missing)")
+        skip = r.next - start
+        for i in range(min(skip, len(tokens))):    # a resend overlaps what we have
+            e = self.stream[start + i - self.C] if start + i >= self.C else None
+            if e is not None and e.token != tokens[i]:
+                raise ProtocolError(protocol.BAD_FIELD, f"round {r.id}: position {start + i} "
+                                                        f"resent as {tokens[i]}, was {e.token}")
+        new = tokens[skip:]
+        if not new:
+            return
+        if r.closed:
+            raise ProtocolError(protocol.BAD_FIELD, f"round {r.id} is closed (its NAV or a "
+                                                    f"proactive round followed it)")
+        if len(self.stream) + len(new) > self.max_stream:
+            raise ProtocolError(protocol.TOO_LARGE, f"more than {self.max_stream} unverified tokens")
+        for i, t in enumerate(new):
+            j = skip + i
+            e = Entry(t, r.id, guess=(r.parent != 0 and r.next + i == r.base),
+                      q_ids=None if q_ids is None else q_ids[j],
+                      q_probs=None if q_probs is None else q_probs[j])
+            self.stream.append(e)
+            position = self.C + len(self.stream) - 1
+            if self.tail is not None and self.tail_pos == position and position not in self.decisions:
+                self.decisions[position] = self._decide(position, e, self.tail)
+        r.next += len(new)
+
+    def on_verify(self, msg: protocol.VerifyRequest) -> protocol.VerifyResult | None:
+        """A NAV: returns a stored result for a repeated one, else None (the engine answers)."""
+        rid = msg.round
+        if rid in self.results:
+            return self.results[rid][0]
+        if rid in self.discarded:
+            return None   # the dispatcher already knows from the parent's result
+        r = None
+        if self.active is not None and rid == self.active.id:
+            r = self.active
+        elif any(c.id == rid for c in self.chain):
+            r = next(c for c in self.chain if c.id == rid)
+        elif rid > self.max_round and self.active is None and msg.end == self.C:
+            # a zero-draft round: the target's next token alone
+            r = self.active = Round(rid, 0, self.C, self.C, self.C)
+            self.max_round = rid
+        if r is None:
+            raise ProtocolError(protocol.UNKNOWN_ROUND, self._rounds_text(rid))
+        if msg.end != r.next or msg.end < r.start:
+            raise ProtocolError(protocol.BAD_FIELD, f"round {rid}: NAV up to {msg.end}, but its "
+                                                    f"tokens end at {r.next}")
+        r.nav_end = msg.end
+        r.closed = True
+        return None
+
+    def _rounds_text(self, rid: int) -> str:
+        return (f"unknown round {rid}: active {self.active.id if self.active else None}, "
+                f"proactive {[c.id for c in self.chain]}, latest {self.max_round}")
+
+
+def _skip_first(msg: protocol.DraftBatch) -> protocol.DraftBatch:
+    return protocol.DraftBatch(sid=msg.sid, seq=msg.seq, rid=msg.rid, round=msg.round,
+                               start=msg.start + 1, token_ids=list(msg.token_ids[1:]),
+                               parent=msg.parent)
+
+
+def _rows(a, k: int):
+    return None if a is None else a[k:]
+
+
+# --- handlers on the verifier service ------------------------------------------------------------
 def install(service) -> None:
     """Register the speculative-mode handlers on the verifier service."""
+
+    def session(ident: bytes, msg: Msg) -> SpecSession:
+        s = service.sessions.get(msg.sid)
+        if not isinstance(s, SpecSession):
+            raise ProtocolError(protocol.UNKNOWN_SESSION, f"no speculative session {msg.sid!r}")
+        s.ident, s.rid = ident, msg.rid   # replies follow the latest connection and channel
+        return s
+
+    async def flush(s: SpecSession) -> None:
+        for reply in s.resolve():
+            await service.send(s.ident, reply)
+        service.wakeup.set()
+
+    async def on_open(ident: bytes, msg: protocol.SpecOpen, frames) -> None:
+        if not service.admit(msg, msg.token_ids):    # a retry of this open
+            old = service.sessions[msg.sid]
+            if not isinstance(old, SpecSession):
+                raise ProtocolError(protocol.SESSION_EXISTS, f"session {msg.sid!r} is already open")
+            old.ident, old.rid = ident, msg.rid
+            if old.prefilled:
+                await service.send(ident, protocol.Ack(sid=msg.sid, seq=msg.seq, rid=msg.rid))
+            return
+        s = msg.sampling
+        if s.temperature < 0 or not 0 < s.top_p <= 1 or s.top_k < 0:
+            raise ProtocolError(protocol.BAD_FIELD, "sampling: temperature >= 0, 0 < top_p <= 1, "
+                                                    "top_k >= 0")
+        sess = SpecSession(msg.sid, ident, msg.rid, msg.seq, service.runner.new_kv(),
+                           list(msg.token_ids), s, msg.stream and service.cfg.stream_verify,
+                           service.vocab_size, service.limits.max_tokens)
+        service.add(sess)
+        if sess.prefilled:   # a one-token prompt: nothing to prefill
+            await service.send(ident, protocol.Ack(sid=msg.sid, seq=msg.seq, rid=msg.rid))
+
+    async def on_batch(ident: bytes, msg: protocol.DraftBatch, frames) -> None:
+        s = session(ident, msg)
+        if not msg.token_ids:
+            raise ProtocolError(protocol.BAD_FIELD, "empty draft batch")
+        service.check_tokens(msg.token_ids)
+        q_ids = q_probs = None
+        if not s.greedy:
+            if msg.q_ids is None or msg.q_probs is None:
+                raise ProtocolError(protocol.BAD_FIELD, "sampling needs q_ids and q_probs")
+            q_ids = protocol.tensor_numpy(msg.q_ids, frames)
+            q_probs = protocol.tensor_numpy(msg.q_probs, frames).astype(np.float32)
+            if q_ids.ndim == 2 and q_ids.shape[1] > MAX_Q_WIDTH:
+                raise ProtocolError(protocol.TOO_LARGE, f"q wider than {MAX_Q_WIDTH}")
+            why = spec_verify.check_q(list(msg.token_ids), q_ids, q_probs, service.vocab_size)
+            if why:
+                raise ProtocolError(protocol.BAD_FIELD, why)
+            q_ids = q_ids.astype(np.int64)
+        # acknowledge first: the dispatcher times batches by this Ack (its α/β fit)
+        await service.send(ident, protocol.Ack(sid=msg.sid, seq=msg.seq, rid=msg.rid))
+        s.on_batch(msg, q_ids, q_probs)
+        await flush(s)
+
+    async def on_verify(ident: bytes, msg: protocol.VerifyRequest, frames) -> None:
+        s = session(ident, msg)
+        stored = s.on_verify(msg)
+        if stored is not None:
+            await service.send(ident, stored)
+            return
+        await flush(s)
+
+    service.route(protocol.SpecOpen, on_open)
+    service.route(protocol.DraftBatch, on_batch)
+    service.route(protocol.VerifyRequest, on_verify)

@@ -74,7 +74,7 @@ def decide(logits: torch.Tensor, draft: int, s: Sampling, position: int,
     """Check the draft token at absolute `position` against the target's logits row for it."""
     if sampling.is_greedy(s):
         return greedy(logits, draft)
-    p = sampling.target_probs(logits, s)
+    p = sampling.target_probs(logits.float().cpu(), s)   # seeded generators live on the CPU
     u = float(torch.rand(1, generator=sampling.generator(s, position, ACCEPT_STREAM)).item())
     return speculative(p, draft, q_ids, q_probs, u,
                        sampling.generator(s, position, RESAMPLE_STREAM))

@@ -1,0 +1,205 @@
+"""Session recovery at the dispatcher: a cloud session survives its service dying, restarting or
+losing messages on the WAN.
+
+KV caches are session-local state on a replica; losing them loses nothing that matters, because
+the dispatcher holds what defines a session: the prompt and every token already committed to the
+client's stream. Recovery replays those tokens as the prompt of a fresh session (a new session
+id) on a live replica — the prefill rebuilds the KV cache, as Petals rebuilds a failed server's
+attention caches from the client's record of past inputs — and generation continues from the
+stream's end. `Request.emit` numbers tokens, so nothing the client saw is sent twice and the
+replay starts exactly where the stream stands: no token is lost or duplicated. Greedy output is
+the same (the target's argmax over the same prefix); sampling is seeded per position, so a seeded
+request is reproduced too.
+
+What triggers a replay (`reason`, a metrics label):
+    down      the replica stopped answering heartbeats (killed, partitioned): Peer fails the
+              session's channel with `unavailable`
+    gap       a token index jumped: a message was lost (connection dropped mid-stream)
+    stall     nothing arrived for `stall_s` while time was left (a lost final message, a
+              request lost on the way up, a replica that restarted faster than the heartbeat)
+    restarted the replica answered `unknown_session`: it restarted and forgot the session
+Anything else (`busy`, `too_large`, `bad_field`, `internal`, ...) is the request's answer and goes
+to the client. A request gives up after `max_recoveries` replays, or when its deadline passes.
+
+Replicas: a comma-separated endpoint list (`--verifier tcp://a:5551,tcp://b:5551`) makes one
+Peer per replica ("verifier", "verifier-1", ...). A session sticks to its replica while it is up;
+when it is down, the session moves to any replica that is up, waiting (bounded by the request's
+deadline and `peer_wait_s`) for one when none is.
+
+A mode runs each attempt through `with_recovery` (cloud_only.py is the example):
+
+    async def attempt(rec: Recovery, peer: Peer) -> None:
+        # open rec.sid on peer with rec.committed() as the prompt; read with rec.recv(channel)
+        # (stall detection); call rec.gap(expected, got) on an index jump and rec.progress()
+        # after each emit; close the remote session in a finally if the request is not done
+    await with_recovery(req, d.verifiers, "verifier", attempt)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from common import metrics, protocol
+from common.runtime import Peer, PeerError
+
+RECOVERABLE = {protocol.UNAVAILABLE: "down", protocol.UNKNOWN_SESSION: "restarted"}
+
+
+class Lost(PeerError):
+    """Messages of a session went missing (`gap`) or stopped coming (`stall`)."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(protocol.UNAVAILABLE, message)
+        self.reason = reason
+
+
+class Replicas(list):
+    """The Peers of one role's replicas. New sessions take turns over the replicas that are up
+    (spreading load); a session then stays on its replica while that is up."""
+
+    def __init__(self, peers: list[Peer]):
+        super().__init__(peers)
+        self.turn = 0
+
+    def next_up(self) -> Peer | None:
+        for _ in range(len(self)):
+            peer = self[self.turn % len(self)]
+            self.turn += 1
+            if peer.up:
+                return peer
+        return None
+
+
+def replicas(service, role: str, endpoints: str) -> Replicas:
+    """One Peer per comma-separated endpoint, named role, role-1, role-2, ..."""
+    eps = [e.strip() for e in endpoints.split(",") if e.strip()]
+    if not eps:
+        raise ValueError(f"{role}: no endpoint configured")
+    return Replicas([service.peer(role if i == 0 else f"{role}-{i}", ep)
+                     for i, ep in enumerate(eps)])
+
+
+async def first_up(peers: list[Peer], timeout: float) -> Peer | None:
+    """A replica that is up (taking turns), else the first to come up within `timeout`."""
+    up = peers.next_up() if isinstance(peers, Replicas) else next((p for p in peers if p.up), None)
+    if up is not None or timeout <= 0:
+        return up
+    waits = {asyncio.ensure_future(p.wait_up(timeout)): p for p in peers}
+    try:
+        for fut in asyncio.as_completed(list(waits)):
+            if await fut:
+                return next(p for p in peers if p.up)
+    finally:
+        for fut in waits:
+            fut.cancel()
+        await asyncio.gather(*waits, return_exceptions=True)
+    return None
+
+
+class Recovery:
+    """One request's path through failures of one cloud role (verifier or suffix)."""
+
+    def __init__(self, req, peers: list[Peer], role: str, needs: tuple[Peer, ...] = ()):
+        self.req = req
+        self.peers = peers
+        self.role = role
+        self.needs = needs              # edge peers the session also needs (split: the prefix)
+        self.peer: Peer | None = None   # the replica the session is on
+        self.attempt = 0                # replays so far
+        self.failed_at = 0.0            # when the failure being recovered from was detected
+        self.times: list[float] = []    # failure detected -> first token after the replay
+        self.reasons: list[str] = []
+
+    @property
+    def sid(self) -> str:
+        """The session id on the cloud side: fresh per replay, so a replica that still holds the
+        old session (a partition that healed) never mistakes the replay for a retry of it."""
+        return self.req.sid if self.attempt == 0 else f"{self.req.sid}~r{self.attempt}"
+
+    def committed(self) -> list[int]:
+        """What a replay prefills: the prompt and every token already streamed."""
+        return list(self.req.prompt_ids) + list(self.req.tokens)
+
+    async def connect(self) -> Peer:
+        """A live replica (and every peer in `needs` up), or a final `unavailable` once
+        `peer_wait_s` (or the deadline) passes without one."""
+        d = self.req.d
+        for p in self.needs:
+            await d.need(p, self.req)
+        if self.peer is not None and self.peer.up:
+            return self.peer
+        wait = min(d.cfg.peer_wait_s, self.req.remaining())
+        peer = await first_up(self.peers, wait)
+        if peer is None:
+            names = ", ".join(p.endpoint for p in self.peers)
+            raise PeerError(protocol.UNAVAILABLE, f"no {self.role} reachable ({names}) "
+                                                  f"within {wait:.1f} s")
+        self.peer = peer
+        return peer
+
+    async def recv(self, channel) -> tuple:
+        """The session's next message; a silence of `stall_s` with time left is a stall."""
+        stall = self.req.d.cfg.stall_s
+        left = self.req.remaining()
+        try:
+            return await channel.recv(timeout=max(0.001, min(stall, left)))
+        except PeerError as e:
+            if e.code == protocol.DEADLINE and self.req.remaining() > 0:
+                raise Lost("stall", f"nothing from {self.role} for {stall:.1f} s") from None
+            raise
+
+    def gap(self, expected: int, got: int) -> None:
+        raise Lost("gap", f"{self.role} sent token {got}, expected {expected}: "
+                          f"{got - expected} lost in transit")
+
+    def fail(self, err: PeerError) -> None:
+        """Record a failure and allow a replay, or re-raise `err` when recovery cannot help."""
+        req = self.req
+        reason = err.reason if isinstance(err, Lost) else RECOVERABLE.get(err.code)
+        if reason is None or req.done or req.cancelled.is_set() or req.remaining() <= 0:
+            raise err
+        if self.attempt >= req.d.cfg.max_recoveries:
+            raise PeerError(err.code, f"{err.message} (gave up after {self.attempt} replays)")
+        req.d.log.warning("%s: %s on %s (%s); replaying %d committed tokens", req.sid, reason,
+                          self.peer.name if self.peer else self.role, err.message,
+                          len(self.committed()))
+        metrics.RECOVERIES.labels(req.d.name, req.mode, reason).inc()
+        self.attempt += 1
+        self.reasons.append(reason)
+        if not self.failed_at:
+            self.failed_at = time.monotonic()
+
+    def progress(self) -> None:
+        """Call after tokens reach the client: closes the recovery in progress, if any."""
+        if self.failed_at:
+            dt = time.monotonic() - self.failed_at
+            self.failed_at = 0.0
+            self.times.append(dt)
+            metrics.RECOVERY_TIME.labels(self.req.d.name, self.req.mode).observe(dt)
+
+    def finish(self) -> None:
+        """Put the request's recovery figures into its stats (Done.stats)."""
+        if self.attempt:
+            self.req.stats.update({"recoveries": self.attempt, "recovery_reasons": self.reasons,
+                                   "recovery_s": [round(t, 4) for t in self.times]})
+        if self.peer is not None and len(self.peers) > 1:
+            self.req.stats[f"{self.role}_replica"] = self.peer.name
+
+
+async def with_recovery(req, peers: list[Peer], role: str, attempt,
+                        needs: tuple[Peer, ...] = ()) -> None:
+    """Run `await attempt(rec, peer)` on a live replica until it completes, replaying after
+    each recoverable failure; the request's stats get the recovery figures. `needs`: other
+    peers that must be up for an attempt (waited for, bounded, like the replicas)."""
+    rec = Recovery(req, peers, role, needs)
+    try:
+        while True:
+            peer = await rec.connect()
+            try:
+                await attempt(rec, peer)
+                return
+            except PeerError as e:
+                rec.fail(e)
+    finally:
+        rec.finish()

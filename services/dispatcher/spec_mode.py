@@ -1,0 +1,481 @@
+"""Speculative mode (PipeSD, DESIGN.md §3): the per-session loop on the dispatcher.
+
+Wiring only; the decisions live in pure modules:
+    spec_session.SpecRounds    rounds, proactive rounds, what to send / emit / roll back
+    nav_trigger                when to verify (dual threshold, HSL, EdgeLLM, fixed, oracle)
+    dp_batching.BatchPlanner   how to batch the tokens of a round (Algorithm 1)
+    link_model                 α, β (least squares over batch acks) and γ (drafter timings)
+    bo_tuner.BOTuner           (R1, R2) tuned on live traffic
+
+One session = one verifier channel (SpecOpen, DraftBatch, VerifyRequest -> Ack, VerifyResult) and
+one drafter channel (DraftOpen, DraftRequest/DraftRollback -> DraftTokens streamed one token at a
+time). Both are read into one inbox, so the loop reacts to whichever comes first: a draft token
+goes through the NAV trigger and the batch plan at once, and drafting never waits for a
+verification unless the policy says so.
+
+Measurements. γ: the drafter's own compute seconds per token (DraftTokens.seconds). α, β: each
+DraftBatch is acknowledged by the verifier on receipt; the send -> Ack round trip minus twice the
+one-way latency (half the heartbeat RTT, tracked separately) is the batch's transmission time,
+fitted by least squares against batch size. Cloud forwards per token: the verifier counts the
+forward passes that included the session (prefill chunks included) and reports the running count
+in every VerifyResult.
+
+Failures. Drafter gone (or a drafter error): what was drafted is verified, then the session goes
+on with zero-draft rounds (the target's next token alone); the output stays exact. Verifier gone
+(heartbeats stop, `unknown_session`, or no result for stall_s while a NAV is out): the verifier
+session is replayed on a live replica from the committed tokens (services/dispatcher/recovery.py)
+and the drafts past them are verified again there; the output stays exact. If the request allows
+edge-only and no replica is up at that moment, the drafter's tokens continue the stream marked
+degraded instead; if none comes up within peer_wait_s, the request fails with `unavailable`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import threading
+import time
+
+import numpy as np
+
+from common import metrics, protocol, sampling
+from common.protocol import ProtocolError
+from common.runtime import PeerError
+from services.dispatcher import recovery
+from services.dispatcher.bo_tuner import BOConfig, BOTuner
+from services.dispatcher.dp_batching import BatchPlanner
+from services.dispatcher.link_model import DraftSpeed, DraftSpeedConfig, LinkModel, LinkModelConfig
+from services.dispatcher.nav_trigger import DraftWindow, NavConfig, make_trigger
+from services.dispatcher.spec_session import (POLICIES, Draft, Emit, Hooks, Limit, Rollback,
+                                              SendBatch, SendNav, SpecError, SpecRounds)
+
+log = logging.getLogger("tandem.dispatcher.spec")
+SERVICE = "dispatcher"
+OPEN_SEQ = 1          # seq of SpecOpen / DraftOpen; batches and NAVs count up from 2
+
+
+class Edge:
+    """What every speculative session of this dispatcher shares: one link and one drafter
+    (α, β, γ), and per policy the scheduling window N̂ and the BO tuner."""
+
+    def __init__(self, cfg):
+        self.link = LinkModel(LinkModelConfig(alpha_seed=cfg.spec_alpha_s, beta_seed=cfg.spec_beta_s))
+        self.speed = DraftSpeed(DraftSpeedConfig(gamma_seed=cfg.spec_gamma_s))
+        self.windows: dict[str, DraftWindow] = {}
+        self.tuners: dict[str, BOTuner] = {}
+        self.tuner_lock = threading.Lock()   # record() runs on a worker thread (GP fits)
+        self.cfg = cfg
+
+    def window(self, policy: str) -> DraftWindow:
+        return self.windows.setdefault(policy, DraftWindow())
+
+    def tuner(self, policy: str) -> BOTuner:
+        if policy not in self.tuners:
+            self.tuners[policy] = BOTuner(BOConfig(default_r1=self.cfg.spec_r1,
+                                                   default_r2=self.cfg.spec_r2))
+        return self.tuners[policy]
+
+
+_edge: Edge | None = None
+
+
+def edge(cfg) -> Edge:
+    global _edge
+    if _edge is None:
+        _edge = Edge(cfg)
+    return _edge
+
+
+class MetricHooks(Hooks):
+    def __init__(self, policy: str, e: Edge):
+        self.policy = policy
+        self.edge = e
+
+    def nav(self, reason: str) -> None:
+        metrics.NAV_TRIGGERS.labels(SERVICE, self.policy, reason).inc()
+
+    def batch(self, size: int) -> None:
+        metrics.SPEC_BATCH_SIZE.labels(SERVICE, self.policy).observe(size)
+
+    def replan(self, planner: BatchPlanner) -> None:
+        metrics.DP_REPLANS.labels(SERVICE, planner.reason).inc()
+        for name, value in (("window", planner.window), ("alpha", planner.alpha),
+                            ("beta", planner.beta), ("gamma", planner.gamma)):
+            metrics.POLICY_PARAM.labels(SERVICE, self.policy, name).set(value)
+        log.debug("DP plan (%s): %s", self.policy, planner.describe())
+
+    def round(self, draft_tokens: int, accepted: int, early: bool) -> None:
+        metrics.SPEC_DRAFTS.labels(SERVICE, self.policy).inc()
+        metrics.SPEC_DRAFT_TOKENS.labels(SERVICE, self.policy).inc(draft_tokens)
+        metrics.SPEC_ACCEPTED.labels(SERVICE, self.policy).inc(accepted)
+        metrics.SPEC_DRAFT_LEN.labels(SERVICE, self.policy).observe(draft_tokens)
+        for i in range(min(accepted, 16)):
+            metrics.SPEC_ACCEPTED_POS.labels(SERVICE, self.policy, str(i) if i < 15 else "15+").inc()
+        if accepted > 16:
+            metrics.SPEC_ACCEPTED_POS.labels(SERVICE, self.policy, "15+").inc(accepted - 16)
+
+    def proactive(self, outcome: str, tokens: int) -> None:
+        metrics.PROACTIVE.labels(SERVICE, outcome).inc(tokens)
+
+
+async def run(req) -> None:
+    policy = POLICIES.get(req.policy)
+    if policy is None:
+        raise ProtocolError(protocol.BAD_FIELD,
+                            f"unknown spec policy {req.policy!r}; one of {sorted(POLICIES)}")
+    if policy.name == "oracle" and not sampling.is_greedy(req.sampling):
+        raise ProtocolError(protocol.BAD_FIELD, "the oracle policy needs greedy decoding "
+                                                "(its trigger knows the target's greedy output)")
+    s = SpecRun(req, policy)
+    try:
+        await s.run()
+    finally:
+        await s.close()
+
+
+class SpecRun:
+    def __init__(self, req, policy):
+        self.req = req
+        self.d = req.d
+        self.cfg = req.d.cfg
+        self.policy = policy
+        self.edge = edge(self.cfg)
+        self.inbox: asyncio.Queue = asyncio.Queue()
+        self.readers: list[asyncio.Task] = []
+        self.vch = self.dch = None
+        self.seq = OPEN_SEQ
+        self.sent_at: dict[int, tuple[float, int]] = {}
+        self.forwards = 0
+        self.drafter_alive = False
+        self.edge_only = False
+        self.verifier_ready_s = None
+        self.last_commit = 0.0
+        self.bo_tasks: set[asyncio.Task] = set()
+        self.sm: SpecRounds | None = None
+        # the verifier session: replica, id and inbox tag change when it is replayed
+        self.rec = recovery.Recovery(req, req.d.verifiers, "verifier")
+        self.vpeer = None
+        self.vsid = req.sid
+        self.vsrc = "v"
+        self.last_v = 0.0   # last sign of life of the verifier session (or the last NAV sent)
+
+    # --- setup ---------------------------------------------------------------------------------
+    def _reader(self, ch, src: str) -> asyncio.Task:
+        async def pump():
+            while True:
+                msg, frames = await ch.queue.get()
+                self.inbox.put_nowait((src, msg, frames))
+        t = asyncio.get_running_loop().create_task(pump())
+        self.readers.append(t)
+        return t
+
+    def _trigger(self):
+        c = self.cfg
+        trig = make_trigger(self.policy.trigger, NavConfig(r1=c.spec_r1, r2=c.spec_r2,
+                                                           max_length=c.spec_max_draft,
+                                                           fixed_length=c.spec_fixed_length))
+        if self.policy.bo and c.spec_bo:
+            r1, r2 = self.edge.tuner(self.policy.name).current()
+            trig.set_thresholds(r1, r2)
+        return trig
+
+    async def run(self) -> None:
+        req, d = self.req, self.d
+        self.vpeer = await self.rec.connect()
+        trigger = self._trigger()
+        if self.policy.name == "oracle":
+            t = time.monotonic()
+            trigger.set_reference(await self._reference())
+            req.stats["oracle_reference_s"] = time.monotonic() - t
+            req.start = time.monotonic()   # an upper bound: the reference's cost is not counted
+        self.sm = SpecRounds(len(req.prompt_ids), req.max_tokens, self.policy, trigger,
+                             BatchPlanner(), self.edge.window(self.policy.name), self._params,
+                             self.cfg.spec_lookahead, MetricHooks(self.policy.name, self.edge),
+                             depth=self.cfg.spec_proactive_depth)
+        self.vch = self.vpeer.channel()
+        self._reader(self.vch, self.vsrc)
+        await self.vch.send(protocol.SpecOpen(sid=self.vsid, seq=OPEN_SEQ, token_ids=req.prompt_ids,
+                                              sampling=req.sampling, stream=self.policy.stream))
+        # a drafter seen before and down now is not waited for: the target goes on alone
+        wait = 0.0 if d.drafter.last_seen else min(self.cfg.peer_wait_s, req.remaining())
+        self.drafter_alive = d.drafter.up or await d.drafter.wait_up(wait)
+        actions = self.sm.start()
+        if self.drafter_alive:
+            self.dch = d.drafter.channel()
+            self._reader(self.dch, "d")
+            await self.dch.send(protocol.DraftOpen(
+                sid=req.sid, seq=OPEN_SEQ, token_ids=req.prompt_ids, sampling=req.sampling,
+                top_k=self.cfg.spec_q_width, max_tokens=req.max_tokens))
+        else:
+            log.warning("drafter at %s is down: %s goes on with the target alone",
+                        d.drafter.endpoint, req.sid)
+            req.stats["drafter_lost"] = True
+            actions += self.sm.drafter_lost()
+        self.last_commit = self.last_v = time.monotonic()
+        await self.act(actions)
+        while not req.done:
+            try:
+                src, msg, frames = await asyncio.wait_for(self.inbox.get(), self.cfg.stall_s / 4)
+            except asyncio.TimeoutError:
+                src = None
+            try:
+                if self._verifier_stalled():
+                    raise recovery.Lost("stall", f"no verification result for "
+                                                 f"{self.cfg.stall_s:.1f} s")
+                if src == self.vsrc:
+                    self.last_v = time.monotonic()
+                    await self.on_verifier(msg, frames)
+            except PeerError as e:
+                await self.replay_verifier(e)
+                continue
+            if src == "d":
+                await self.on_drafter(msg, frames)
+
+    def _verifier_stalled(self) -> bool:
+        """A NAV is out and the verifier session has been silent for stall_s."""
+        sm = self.sm
+        waiting = not self.edge_only and sm.rounds and sm.rounds[0].closed
+        return bool(waiting) and time.monotonic() - self.last_v > self.cfg.stall_s
+
+    async def replay_verifier(self, err: PeerError) -> None:
+        """Rebuild the verifier session on a live replica from the committed tokens; the drafts
+        past them are verified again there (SpecRounds.verifier_lost)."""
+        req, d = self.req, self.d
+        self.rec.fail(err)                         # re-raises what recovery cannot fix
+        old_peer, old_sid = self.vpeer, self.vsid
+        self.vpeer = await self.rec.connect()
+        self.vsid = self.rec.sid
+        self.vch.close()
+        d.spawn(d.close_remote(old_peer, old_sid))
+        self.vsrc = f"v{self.rec.attempt}"         # what the old channel still queued is ignored
+        self.vch = self.vpeer.channel()
+        self._reader(self.vch, self.vsrc)
+        self.sent_at.clear()
+        self.last_v = time.monotonic()
+        await self.vch.send(protocol.SpecOpen(sid=self.vsid, seq=OPEN_SEQ,
+                                              token_ids=self.rec.committed(),
+                                              sampling=req.sampling, stream=self.policy.stream))
+        await self.act(self.sm.verifier_lost())
+
+    async def _reference(self) -> list[int]:
+        """The target's greedy continuation (cloud-only generation), for the oracle trigger."""
+        req, d = self.req, self.d
+        ch = d.verifier.channel()
+        out: list[int] = []
+        try:
+            await ch.send(protocol.CloudGenerate(sid=f"{req.sid}-oracle", seq=OPEN_SEQ,
+                                                 token_ids=req.prompt_ids,
+                                                 max_tokens=req.max_tokens))
+            while len(out) < req.max_tokens:
+                msg, _ = await ch.recv(timeout=max(0.001, req.remaining()))
+                if isinstance(msg, protocol.CloudTokens) and msg.index == len(out):
+                    out += msg.token_ids
+                    if msg.done:
+                        break
+        finally:
+            ch.close()
+        return out
+
+    def _params(self) -> tuple[float, float, float]:
+        link = self.edge.link
+        if math.isfinite(self.vpeer.rtt):
+            link.observe_latency(self.vpeer.rtt / 2)
+        alpha, beta = link.params()
+        gamma = self.edge.speed.gamma
+        p = self.policy.name
+        metrics.POLICY_PARAM.labels(SERVICE, p, "window").set(self.edge.window(p).value)
+        return alpha, beta, gamma
+
+    # --- events --------------------------------------------------------------------------------
+    async def on_verifier(self, msg, frames) -> None:
+        if self.edge_only:
+            return
+        if isinstance(msg, protocol.Error):
+            if msg.code == protocol.UNAVAILABLE and self.req.msg.allow_edge_only \
+                    and self.drafter_alive and not any(p.up for p in self.d.verifiers):
+                await self.go_edge_only()
+                return
+            raise PeerError(msg.code, f"verifier: {msg.message}")   # replayed if recoverable
+        if isinstance(msg, protocol.Ack):
+            if msg.seq == OPEN_SEQ:
+                self.verifier_ready_s = time.monotonic() - self.req.start
+            elif msg.seq in self.sent_at:
+                t, size = self.sent_at.pop(msg.seq)
+                self.edge.link.observe_round_trip(size, time.monotonic() - t)
+            return
+        if isinstance(msg, protocol.VerifyResult):
+            self.forwards = max(self.forwards, msg.forwards)
+            try:
+                actions = self.sm.on_result(msg.round, msg.start, msg.accepted, msg.token, msg.early)
+            except SpecError as e:
+                raise PeerError(protocol.INTERNAL, str(e)) from None
+            await self.act(actions)
+
+    async def on_drafter(self, msg, frames) -> None:
+        if not self.drafter_alive:
+            return
+        if isinstance(msg, protocol.Error):
+            log.warning("drafter failed for %s (%s: %s): going on with the target alone",
+                        self.req.sid, msg.code, msg.message)
+            self.drafter_alive = False
+            self.req.stats["drafter_lost"] = True
+            self.d.spawn(self.d.close_remote(self.d.drafter, self.req.sid))
+            if self.edge_only:
+                raise PeerError(protocol.UNAVAILABLE, "verifier and drafter are both gone")
+            await self.act(self.sm.drafter_lost())
+            return
+        if not isinstance(msg, protocol.DraftTokens) or msg.seq != self.sm.epoch:
+            return   # the open Ack, or tokens drafted before the last rollback
+        if msg.seconds > 0 and msg.token_ids:
+            self.edge.speed.observe(len(msg.token_ids), msg.seconds)
+        q_ids = q_probs = None
+        if msg.q_ids is not None and msg.q_probs is not None:
+            q_ids = protocol.tensor_numpy(msg.q_ids, frames)
+            q_probs = protocol.tensor_numpy(msg.q_probs, frames)
+        if self.edge_only:
+            await self.emit_degraded(msg)
+            return
+        actions = []
+        for i, (t, p) in enumerate(zip(msg.token_ids, msg.probs)):
+            actions += self.sm.on_draft(Draft(msg.start + i, t, p,
+                                              None if q_ids is None else q_ids[i],
+                                              None if q_probs is None else q_probs[i]))
+        await self.act(actions)
+
+    # --- actions -------------------------------------------------------------------------------
+    async def act(self, actions) -> None:
+        req = self.req
+        for a in actions:
+            if req.done:
+                return
+            if isinstance(a, Emit):
+                await req.emit(a.tokens)
+                self.rec.progress()
+                self._bo(len(a.tokens))
+            elif isinstance(a, SendBatch):
+                await self._send_batch(a)
+            elif isinstance(a, SendNav):
+                self.seq += 1
+                if not self.sm.rounds or self.sm.rounds[0].id == a.round:
+                    self.last_v = time.monotonic()   # the stall clock starts at the NAV
+                await self.vch.send(protocol.VerifyRequest(sid=self.vsid, seq=self.seq,
+                                                           round=a.round, end=a.end))
+            elif isinstance(a, Rollback):
+                if self.drafter_alive:
+                    await self.dch.send(protocol.DraftRollback(sid=req.sid, seq=a.epoch,
+                                                               keep=a.keep, append=a.append,
+                                                               until=a.until))
+            elif isinstance(a, Limit):
+                if self.drafter_alive:
+                    await self.dch.send(protocol.DraftRequest(sid=req.sid, seq=self.sm.epoch,
+                                                              until=a.until))
+
+    async def _send_batch(self, b: SendBatch) -> None:
+        self.seq += 1
+        msg = protocol.DraftBatch(sid=self.vsid, seq=self.seq, round=b.round, start=b.start,
+                                  token_ids=[x.token for x in b.drafts],
+                                  probs=[x.prob for x in b.drafts], parent=b.parent)
+        buffers = []
+        if b.drafts and b.drafts[0].q_ids is not None:
+            msg.q_ids, ids = protocol.tensor_frame(np.stack([x.q_ids for x in b.drafts]), 0)
+            msg.q_probs, probs = protocol.tensor_frame(np.stack([x.q_probs for x in b.drafts]), 1)
+            buffers = [ids, probs]
+        self.sent_at[self.seq] = (time.monotonic(), len(b.drafts))
+        await self.vch.send(msg, buffers)
+
+    def _bo(self, tokens: int) -> None:
+        """Feed the autotuner: wall time since the last commit, tokens this commit emitted."""
+        now = time.monotonic()
+        elapsed, self.last_commit = now - self.last_commit, now
+        if not (self.policy.bo and self.cfg.spec_bo):
+            return
+        tuner = self.edge.tuner(self.policy.name)
+        trigger = self.sm.trigger
+
+        def record():
+            with self.edge.tuner_lock:
+                before = len(tuner.history)
+                changed = tuner.record(elapsed, tokens)
+                evaluated = len(tuner.history) != before
+                return changed, evaluated, tuner.current()
+
+        async def task():
+            changed, evaluated, (r1, r2) = await asyncio.to_thread(record)
+            if evaluated:
+                metrics.BO_EVALUATIONS.labels(SERVICE).inc()
+            if changed:
+                trigger.set_thresholds(r1, r2)
+            metrics.POLICY_PARAM.labels(SERVICE, self.policy.name, "r1").set(r1)
+            metrics.POLICY_PARAM.labels(SERVICE, self.policy.name, "r2").set(r2)
+        t = asyncio.get_running_loop().create_task(task())
+        self.bo_tasks.add(t)
+        t.add_done_callback(self.bo_tasks.discard)
+
+    # --- edge-only (degraded) ------------------------------------------------------------------
+    async def go_edge_only(self) -> None:
+        """The cloud is gone and the request allows it: the drafter's own tokens continue the
+        stream, marked degraded (no longer the target's output)."""
+        log.warning("verifier unreachable: %s continues on the drafter alone (degraded)",
+                    self.req.sid)
+        self.edge_only = True
+        self.req.stats["degraded"] = True
+        sm = self.sm
+        self.next_degraded = sm.C
+        tokens = [x.token for x in sm.drafts]
+        self.next_degraded += len(tokens)
+        if tokens:
+            await self.req.emit(tokens, degraded=True)
+        final = len(self.req.prompt_ids) + self.req.max_tokens
+        await self.dch.send(protocol.DraftRequest(sid=self.req.sid, seq=sm.epoch, until=final))
+
+    async def emit_degraded(self, msg: protocol.DraftTokens) -> None:
+        skip = self.next_degraded - msg.start
+        tokens = list(msg.token_ids[skip:]) if skip >= 0 else []
+        if tokens:
+            self.next_degraded += len(tokens)
+            await self.req.emit(tokens, degraded=True)
+
+    # --- teardown -------------------------------------------------------------------------------
+    async def close(self) -> None:
+        for t in self.readers:
+            t.cancel()
+        await asyncio.gather(*self.readers, return_exceptions=True)
+        for ch in (self.vch, self.dch):
+            if ch is not None:
+                ch.close()
+        d, sid = self.d, self.req.sid
+        if self.vch is not None and not self.edge_only:
+            d.spawn(d.close_remote(self.vpeer, self.vsid))
+        if self.dch is not None and self.drafter_alive:
+            d.spawn(d.close_remote(d.drafter, sid))
+        self.rec.finish()
+        if self.sm is not None:
+            self._stats()
+
+    def _stats(self) -> None:
+        st, sm, req = self.sm.stats, self.sm, self.req
+        n = len(req.tokens)
+        planner = sm.planner
+        req.stats.update({
+            "rounds": st.rounds,
+            "draft_tokens": st.draft_tokens,
+            "accepted_tokens": st.accepted,
+            "acceptance_rate": st.accepted / st.draft_tokens if st.draft_tokens else None,
+            "mean_draft_length": st.draft_tokens / st.rounds if st.rounds else None,
+            "batches": st.batches,
+            "early_rejects": st.early_rejects,
+            "proactive_kept": st.proactive_kept,
+            "proactive_discarded": st.proactive_discarded,
+            "rollbacks": st.rollbacks,
+            "nav_reasons": dict(st.nav_reasons),
+            "verifier_forwards": self.forwards,
+            "cloud_forwards_per_token": self.forwards / n if n else None,
+            "verifier_ready_s": self.verifier_ready_s,
+            "duplicate_results": st.duplicate_results,
+            "unknown_results": st.unknown_results,
+            "thresholds": sm.trigger.thresholds(),
+            "window": sm.window.value,
+            "dp_plan": list(planner.sizes),
+            "alpha_s": planner.alpha, "beta_s": planner.beta, "gamma_s": planner.gamma,
+        })

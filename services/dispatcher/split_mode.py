@@ -1,0 +1,101 @@
+"""Split mode (DySCo): the edge prefix runs layers [0, c), the cloud suffix runs [c, L) and
+chooses the token. The dispatcher owns the loop:
+
+    PrefixOpen(prompt) -> Hidden -> SuffixOpen -> SuffixToken
+    token -> client; PrefixStep(token) -> Hidden -> SuffixStep -> SuffixToken; ...
+
+The cut-layer hidden state goes from the prefix's reply to the suffix as the same raw frame (no
+decode, no copy). Both sessions are closed at the end, whatever ended it. A peer that disappears
+(the heartbeat notices within peer_timeout_s) or loses a message (silence for stall_s) gets the
+session replayed: a new prefix + suffix session pair, on a live suffix replica, prefills the
+committed tokens and generation goes on from the stream's end (services/dispatcher/recovery.py).
+If no suffix replica or no prefix is up within peer_wait_s, the request fails with
+`unavailable`; other sessions never share its channels and are unaffected.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+
+from common import models, protocol
+from common.protocol import ProtocolError
+from services.dispatcher import recovery
+
+
+@functools.lru_cache(maxsize=None)
+def num_layers(target: str) -> int:
+    path = models.resolve_target(target)
+    return int(json.loads((path / "config.json").read_text())["num_hidden_layers"])
+
+
+def choose_cut(req) -> int:
+    L = num_layers(req.d.cfg.target)
+    cut = req.msg.cut or req.d.cfg.default_cut
+    if not 1 <= cut <= L - 1:
+        raise ProtocolError(protocol.BAD_FIELD, f"cut {cut} outside [1, {L - 1}]: the edge runs "
+                                                f"layers [0, cut) of the {L}-layer model")
+    return cut
+
+
+async def _reply(ch, kind, rec):
+    """Next reply of type `kind` on a channel (anything else on it is a stale duplicate); a
+    silence of `stall_s` is a lost message (services/dispatcher/recovery.py)."""
+    while True:
+        msg, frames = await rec.recv(ch)
+        if isinstance(msg, kind):
+            return msg, frames
+
+
+async def run(req) -> None:
+    cut = choose_cut(req)
+    times = {"edge": 0.0, "cloud": 0.0, "queued": 0.0}
+    t0 = time.monotonic()
+    # a session survives its suffix (or prefix) dying or losing messages: both sides are
+    # reopened on live services with the committed tokens as the prompt
+    await recovery.with_recovery(req, req.d.suffixes, "suffix",
+                                 functools.partial(_session, req, cut, times, t0),
+                                 needs=(req.d.prefix,))
+    total = time.monotonic() - t0
+    req.stats.update(cut=cut, edge_forward_s=times["edge"], cloud_forward_s=times["cloud"],
+                     cloud_queue_s=times["queued"],
+                     wire_s=max(0.0, total - times["edge"] - times["cloud"] - times["queued"]))
+
+
+async def _session(req, cut, times, t0, rec: recovery.Recovery, suffix) -> None:
+    """One prefix + suffix session pair, from the stream's current end (a replay prefills every
+    committed token on both sides)."""
+    d, sid = req.d, rec.sid
+    pre, suf = d.prefix.channel(), suffix.channel()
+    try:
+        await pre.send(protocol.PrefixOpen(sid=sid, seq=0, cut=cut, token_ids=rec.committed()))
+        hidden, frames = await _reply(pre, protocol.Hidden, rec)
+        times["edge"] += hidden.seconds
+        await suf.send(protocol.SuffixOpen(sid=sid, seq=0, cut=cut, start=0,
+                                           hidden=hidden.hidden, sampling=req.sampling),
+                       frames[1:])
+        tok, _ = await _reply(suf, protocol.SuffixToken, rec)
+        times["cloud"] += tok.seconds
+        times["queued"] += tok.queued
+        req.stats.setdefault("prefill_s", time.monotonic() - t0)
+        seq = 0
+        while True:
+            more = await req.emit([tok.token])
+            rec.progress()
+            if not more:
+                return
+            seq += 1
+            await pre.send(protocol.PrefixStep(sid=sid, seq=seq, token_id=tok.token))
+            hidden, frames = await _reply(pre, protocol.Hidden, rec)
+            times["edge"] += hidden.seconds
+            await suf.send(protocol.SuffixStep(sid=sid, seq=seq, start=hidden.start,
+                                               hidden=hidden.hidden), frames[1:])
+            tok, _ = await _reply(suf, protocol.SuffixToken, rec)
+            times["cloud"] += tok.seconds
+            times["queued"] += tok.queued
+    finally:
+        pre.close()
+        suf.close()
+        d.spawn(d.close_remote(d.prefix, sid))
+        d.spawn(d.close_remote(suffix, sid))

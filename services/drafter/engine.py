@@ -1,0 +1,249 @@
+"""The draft model: llama.cpp through llama-cpp-python's low-level API, one context per session.
+
+Why the low-level API: a draft token's confidence P(D_n) is the top-1 probability of the full
+softmax of the last logits row; reading that row straight from llama.cpp's buffer costs ~0.1 ms,
+where `create_completion(logprobs=...)` is ~6x slower per token. Each session owns a context
+(its own KV cache), so sessions never disturb each other and a rollback is a KV truncation:
+
+    context  = tokens[0 : len(tokens)]      prompt + committed + drafted tokens
+    KV cache = tokens[0 : n_past]           what llama.cpp has evaluated (n_past < len(tokens))
+
+`step()` evaluates tokens[n_past:] (the prompt in chunks, every later token alone, so its logits
+never depend on timing), reads the last logits row and appends one draft token. `rollback(keep, append)` truncates the KV cache to
+`keep` tokens (`llama_memory_seq_rm`) and appends the target's token; the next step re-evaluates
+from there, so drafts after a rollback are exactly those of a session that never drafted past
+`keep` (tests/test_drafter.py checks it).
+
+Greedy: the draft is the argmax; P(D_n) its softmax probability. Sampling: the draft is drawn
+from a *truncated* distribution q (temperature, then the top-k with k <= 64, then top-p), and q
+travels sparse as (ids, probs) so the verifier can do exact speculative sampling against it;
+P(D_n) = q(D_n). Draws are keyed by (seed, position), so a seeded request drafts reproducibly.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+import llama_cpp as L
+
+from common.protocol import Sampling
+
+MAX_Q_WIDTH = 64   # the widest sparse q the protocol carries (DESIGN.md §3: k <= 64)
+
+_backend_lock = threading.Lock()
+_backend_ready = False
+
+
+def _quiet_log(level, text, user_data):  # noqa: ARG001 - llama.cpp's chatter goes nowhere
+    return None
+
+
+_QUIET = L.llama_log_callback(_quiet_log)
+
+
+def _init_backend(verbose: bool) -> None:
+    global _backend_ready
+    with _backend_lock:
+        if not _backend_ready:
+            if not verbose:
+                L.llama_log_set(_QUIET, ctypes.c_void_p(0))
+            L.llama_backend_init()
+            _backend_ready = True
+
+
+class DraftError(RuntimeError):
+    """A drafting request the session cannot honour (context full, bad rollback)."""
+
+
+@dataclass
+class Draft:
+    """One drafted token."""
+    position: int                    # absolute position of the token in the context
+    token: int
+    prob: float                      # P(D_n): top-1 softmax prob (greedy) or q(token) (sampling)
+    seconds: float                   # compute time of this step (evaluation + softmax + choice)
+    q_ids: np.ndarray | None = None  # int32 [k]: support of q (sampling only)
+    q_probs: np.ndarray | None = None  # float32 [k]: q on that support, sums to 1
+
+
+class DraftModel:
+    """A GGUF model loaded once and shared by every session's context."""
+
+    def __init__(self, path: str, threads: int = 0, verbose: bool = False):
+        _init_backend(verbose)
+        mparams = L.llama_model_default_params()
+        mparams.n_gpu_layers = 0
+        self.path = str(path)
+        self.model = L.llama_model_load_from_file(self.path.encode(), mparams)
+        if not self.model:
+            raise DraftError(f"llama.cpp could not load {self.path}")
+        self.vocab = L.llama_model_get_vocab(self.model)
+        self.n_vocab = int(L.llama_vocab_n_tokens(self.vocab))
+        self.n_ctx_train = int(L.llama_model_n_ctx_train(self.model))
+        self.threads = threads
+
+    def session(self, prompt: list[int], n_ctx: int, sampling: Sampling,
+                q_width: int = 16, n_batch: int = 256) -> "DraftSession":
+        return DraftSession(self, prompt, n_ctx, sampling, q_width, n_batch)
+
+    def close(self) -> None:
+        if self.model:
+            L.llama_model_free(self.model)
+            self.model = None
+
+
+class DraftSession:
+    """One session's llama.cpp context, its token list and its position in the KV cache."""
+
+    def __init__(self, model: DraftModel, prompt: list[int], n_ctx: int, sampling: Sampling,
+                 q_width: int, n_batch: int):
+        if not prompt:
+            raise DraftError("empty prompt")
+        bad = [t for t in prompt if not 0 <= t < model.n_vocab]
+        if bad:
+            raise DraftError(f"prompt holds ids outside the vocabulary [0, {model.n_vocab}): {bad[:5]}")
+        self.model = model
+        self.n_ctx = min(int(n_ctx), model.n_ctx_train)
+        if len(prompt) >= self.n_ctx:
+            raise DraftError(f"prompt of {len(prompt)} tokens does not fit a {self.n_ctx}-token context")
+        self.sampling = sampling
+        self.greedy = sampling.temperature <= 0.0
+        self.q_width = max(1, min(MAX_Q_WIDTH, int(q_width)))
+        if sampling.top_k > 0:
+            self.q_width = min(self.q_width, sampling.top_k)
+        cparams = L.llama_context_default_params()
+        cparams.n_ctx = self.n_ctx
+        self.n_batch = max(1, min(n_batch, self.n_ctx))
+        cparams.n_batch = self.n_batch
+        cparams.n_ubatch = self.n_batch
+        cparams.n_seq_max = 1
+        if model.threads:
+            cparams.n_threads = model.threads
+            cparams.n_threads_batch = model.threads
+        cparams.no_perf = True
+        # llama.cpp's CPU flash attention accumulates in fp16 (top-1 probabilities move by ~0.03
+        # on this model): use the exact path, as llama-cpp-python's Llama does by default
+        cparams.flash_attn_type = 0
+        self.ctx = L.llama_init_from_model(model.model, cparams)
+        if not self.ctx:
+            raise DraftError("llama.cpp could not create a context")
+        self.mem = L.llama_get_memory(self.ctx)
+        self.batch = L.llama_batch_init(self.n_batch, 0, 1)
+        self.tokens: list[int] = list(prompt)
+        self.prompt_len = len(prompt)
+        self.n_past = 0
+        self.seed_base = sampling.seed if sampling.seed is not None else \
+            int(np.random.SeedSequence().entropy % (2**63))
+
+    # --- the KV cache ---------------------------------------------------------------------------
+    def _eval(self, upto: int) -> np.ndarray:
+        """Evaluate tokens[n_past:upto] and return the logits row of the last one (a view into
+        llama.cpp's buffer, valid until the next decode)."""
+        while self.n_past < upto:
+            # Past the prompt, one token per decode call: llama.cpp's batched kernels round
+            # differently, so a token's logits would otherwise depend on whether a rollback
+            # arrived before or after it was evaluated, and a seeded request would not draft
+            # reproducibly.
+            n = 1 if self.n_past >= self.prompt_len - 1 else \
+                min(self.n_batch, self.prompt_len - 1 - self.n_past)
+            b = self.batch
+            b.n_tokens = n
+            for i in range(n):
+                b.token[i] = self.tokens[self.n_past + i]
+                b.pos[i] = self.n_past + i
+                b.n_seq_id[i] = 1
+                b.seq_id[i][0] = 0
+                b.logits[i] = 1 if i == n - 1 and self.n_past + n == upto else 0
+            rc = L.llama_decode(self.ctx, b)
+            if rc != 0:
+                raise DraftError(f"llama_decode failed with code {rc} at position {self.n_past}")
+            self.n_past += n
+        ptr = L.llama_get_logits_ith(self.ctx, -1)
+        return np.ctypeslib.as_array(ptr, shape=(self.model.n_vocab,))
+
+    def prefill(self) -> float:
+        """Evaluate the prompt except its last token (the first step feeds that one)."""
+        t = time.perf_counter()
+        if len(self.tokens) > 1:
+            self._eval(len(self.tokens) - 1)
+        return time.perf_counter() - t
+
+    def step(self) -> Draft:
+        """Draft one token after the current end of the context."""
+        if len(self.tokens) >= self.n_ctx:
+            raise DraftError(f"context full ({self.n_ctx} tokens)")
+        t = time.perf_counter()
+        if self.n_past >= len(self.tokens):      # the last token's logits are gone: re-feed it
+            self._truncate(len(self.tokens) - 1)
+        logits = self._eval(len(self.tokens))
+        position = len(self.tokens)
+        if self.greedy:
+            token, prob = _greedy(logits)
+            draft = Draft(position, token, prob, 0.0)
+        else:
+            ids, probs = _truncated(logits, self.sampling, self.q_width)
+            rng = np.random.Generator(np.random.PCG64([self.seed_base, position, 0x7A9D]))
+            k = int(rng.choice(len(ids), p=probs.astype(np.float64) / probs.sum(dtype=np.float64)))
+            draft = Draft(position, int(ids[k]), float(probs[k]), 0.0, ids, probs)
+        self.tokens.append(draft.token)
+        draft.seconds = time.perf_counter() - t
+        return draft
+
+    def _truncate(self, n: int) -> None:
+        if n < self.n_past:
+            if not L.llama_memory_seq_rm(self.mem, 0, n, -1):
+                raise DraftError(f"llama.cpp refused to truncate the KV cache to {n}")
+            self.n_past = n
+
+    def rollback(self, keep: int, append: list[int]) -> None:
+        """Keep the first `keep` tokens of the context, then append `append`."""
+        if not 1 <= keep <= len(self.tokens):
+            raise DraftError(f"rollback keep={keep} outside [1, {len(self.tokens)}]")
+        bad = [t for t in append if not 0 <= t < self.model.n_vocab]
+        if bad:
+            raise DraftError(f"rollback appends ids outside the vocabulary: {bad[:5]}")
+        if keep + len(append) > self.n_ctx:
+            raise DraftError(f"rollback to {keep + len(append)} tokens overflows the context")
+        self.tokens = self.tokens[:keep] + list(append)
+        self._truncate(min(self.n_past, keep))
+
+    def close(self) -> None:
+        if self.batch is not None:
+            L.llama_batch_free(self.batch)
+            self.batch = None
+        if self.ctx:
+            L.llama_free(self.ctx)
+            self.ctx = None
+
+
+def _greedy(logits: np.ndarray) -> tuple[int, float]:
+    """Argmax and its full-softmax probability, 1 / sum(exp(l - max))."""
+    token = int(np.argmax(logits))
+    m = logits[token]
+    prob = 1.0 / float(np.exp(logits - m, dtype=np.float32).sum(dtype=np.float64))
+    return token, prob
+
+
+def _truncated(logits: np.ndarray, s: Sampling, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The top-k of the temperature-scaled distribution, then top-p: (ids int32 [k], probs
+    float32 [k]), most likely first, summing to 1. Always k entries, so a batch's rows stack:
+    top-p zeroes the tail instead of dropping it."""
+    x = logits.astype(np.float64) / max(s.temperature, 1e-6)
+    k = min(k, x.shape[0])
+    ids = np.argpartition(-x, k - 1)[:k]
+    ids = ids[np.argsort(-x[ids], kind="stable")]
+    p = np.exp(x[ids] - x[ids[0]])
+    p /= p.sum()
+    if s.top_p < 1.0:
+        # keep the smallest prefix whose mass reaches top_p (as common/sampling.target_probs)
+        n = max(1, int(np.count_nonzero(np.cumsum(p) - p < s.top_p)))
+        p[n:] = 0.0
+        p /= p.sum()
+    probs = p.astype(np.float32)
+    probs /= probs.sum(dtype=np.float32)
+    return ids.astype(np.int32), probs

@@ -1,0 +1,273 @@
+"""The drafter: the GGUF draft model at the edge, drafting continuously for every open session.
+
+Protocol (DESIGN.md §3; all messages of a session share the dispatcher's channel rid):
+
+    DraftOpen(token_ids, sampling)    -> Ack once the prompt is in the session's KV cache
+    DraftRequest(until | n)           -> DraftTokens, one message per token, as each is drafted
+    DraftRollback(seq=epoch, keep, append, until)   truncate, append the target's token, go on
+    Close                             -> Ack; the context is freed
+
+Streaming, not request/response: the dispatcher raises the session's limit (`until` = committed
++ lookahead) and the drafter keeps drafting up to it while verification is in flight (PipeSD's
+proactive drafting); every token goes out the moment it exists, so the NAV trigger and the DP
+batcher see it at once. One drafting loop serves all sessions round-robin, one token per step,
+on the compute thread; handlers only change a session's state between steps, so a rollback never
+races a decode. A token drafted in an old epoch (a rollback arrived during its step) is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+from common import metrics, protocol
+from common.config import load
+from common.protocol import Msg, ProtocolError
+from common.runtime import Service
+from services.drafter.config import DrafterConfig
+from services.drafter.engine import MAX_Q_WIDTH, DraftError, DraftModel, DraftSession
+
+
+class Session:
+    """Per-session state around the engine's DraftSession."""
+
+    def __init__(self, sid: str, ident: bytes, rid: int, seq: int, draft: DraftSession):
+        self.sid = sid
+        self.ident = ident
+        self.rid = rid
+        self.open_seq = seq
+        self.draft = draft
+        self.prefilled = False
+        self.epoch = 0           # seq of the last rollback: tags every DraftTokens
+        self.limit = 0           # draft while len(context) < limit
+        self.busy = False        # a step of this session is on the compute thread
+        self.closed = False
+        self.pending: list[Msg] = []   # rollbacks / requests that arrived during a step, in order
+
+    def wants_step(self) -> bool:
+        return not self.closed and not self.busy and (
+            not self.prefilled or len(self.draft.tokens) < self.limit)
+
+
+class Drafter(Service):
+    name = "drafter"
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__(cfg)
+        self.cfg: DrafterConfig = cfg
+        self.model: DraftModel | None = None
+        self.sessions: dict[str, Session] = {}
+        self.order: list[str] = []      # round-robin order of session ids
+        self.turn = 0
+        self.wakeup = asyncio.Event()
+        self.route(protocol.DraftOpen, self.on_open)
+        self.route(protocol.DraftRequest, self.on_request)
+        self.route(protocol.DraftRollback, self.on_rollback)
+        self.route(protocol.Close, self.on_close)
+
+    async def setup(self) -> None:
+        from common import models  # noqa: PLC0415
+
+        path = models.resolve_drafter(self.cfg.drafter)
+        self.model = await asyncio.to_thread(DraftModel, str(path), self.cfg.threads,
+                                             self.cfg.verbose_llama)
+        self.log.info("drafter %s loaded: vocab %d, trained context %d", path.name,
+                      self.model.n_vocab, self.model.n_ctx_train)
+        self.spawn(self.draft_loop())
+
+    async def teardown(self) -> None:
+        for s in list(self.sessions.values()):
+            self._free(s)
+        if self.model is not None:
+            self.model.close()
+
+    # --- handlers -------------------------------------------------------------------------------
+    def _session(self, msg: Msg) -> Session:
+        s = self.sessions.get(msg.sid)
+        if s is None:
+            raise ProtocolError(protocol.UNKNOWN_SESSION, f"no drafter session {msg.sid!r}")
+        return s
+
+    async def on_open(self, ident: bytes, msg: protocol.DraftOpen, frames) -> None:
+        old = self.sessions.get(msg.sid)
+        if old is not None:
+            if old.open_seq == msg.seq:
+                return  # idempotent retry: the Ack follows the prefill
+            raise ProtocolError(protocol.SESSION_EXISTS, f"session {msg.sid!r} is already open")
+        if not msg.sid:
+            raise ProtocolError(protocol.BAD_FIELD, "sid must not be empty")
+        if len(self.sessions) >= self.cfg.max_sessions:
+            raise ProtocolError(protocol.BUSY, f"{len(self.sessions)} sessions open (max_sessions)")
+        if not msg.token_ids:
+            raise ProtocolError(protocol.BAD_FIELD, "empty prompt")
+        if len(msg.token_ids) > self.limits.max_prompt_tokens:
+            raise ProtocolError(protocol.TOO_LARGE, f"prompt of {len(msg.token_ids)} tokens > "
+                                                    f"max_prompt_tokens {self.limits.max_prompt_tokens}")
+        if not 1 <= msg.top_k <= MAX_Q_WIDTH:
+            raise ProtocolError(protocol.BAD_FIELD, f"top_k must be in [1, {MAX_Q_WIDTH}]")
+        s = msg.sampling
+        if s.temperature < 0 or not 0 < s.top_p <= 1 or s.top_k < 0:
+            raise ProtocolError(protocol.BAD_FIELD, "sampling: temperature >= 0, 0 < top_p <= 1, "
+                                                    "top_k >= 0")
+        if msg.max_tokens:
+            need = len(msg.token_ids) + msg.max_tokens + 1
+            n_ctx = 64 * math.ceil(need / 64)
+        else:
+            n_ctx = self.cfg.n_ctx
+        if n_ctx > self.model.n_ctx_train:
+            raise ProtocolError(protocol.TOO_LARGE, f"{n_ctx} positions > the drafter's trained "
+                                                    f"context {self.model.n_ctx_train}")
+        try:
+            draft = self.model.session(list(msg.token_ids), n_ctx, s, msg.top_k,
+                                       self.cfg.n_batch)
+        except DraftError as e:
+            raise ProtocolError(protocol.BAD_FIELD, str(e)) from None
+        sess = Session(msg.sid, ident, msg.rid, msg.seq, draft)
+        sess.limit = len(draft.tokens)
+        self.sessions[msg.sid] = sess
+        self.order.append(msg.sid)
+        metrics.SESSIONS.labels(self.name).set(len(self.sessions))
+        self.wakeup.set()
+
+    async def on_request(self, ident: bytes, msg: protocol.DraftRequest, frames) -> None:
+        s = self._session(msg)
+        s.ident, s.rid = ident, msg.rid
+        if s.busy:
+            s.pending.append(msg)   # after the step, and after any rollback queued before it
+        else:
+            self._request(s, msg)
+
+    def _request(self, s: Session, msg: protocol.DraftRequest) -> None:
+        if msg.seq >= s.epoch:       # else it was sent before a rollback already applied
+            self._set_limit(s, msg.until, msg.n)
+
+    async def on_rollback(self, ident: bytes, msg: protocol.DraftRollback, frames) -> None:
+        s = self._session(msg)
+        s.ident, s.rid = ident, msg.rid
+        queued = [m.seq for m in s.pending if isinstance(m, protocol.DraftRollback)]
+        if msg.seq <= max([s.epoch] + queued):
+            return  # a retry of a rollback already applied (or queued)
+        if s.busy:
+            s.pending.append(msg)   # applied, in order, as soon as the step ends
+        else:
+            await self._apply_rollback(s, msg)
+
+    async def _apply_rollback(self, s: Session, msg: protocol.DraftRollback) -> None:
+        try:
+            s.draft.rollback(msg.keep, list(msg.append))
+        except DraftError as e:
+            await self.error(s.ident, msg, protocol.BAD_FIELD, str(e))
+            return
+        s.epoch = msg.seq
+        s.limit = len(s.draft.tokens)
+        self._set_limit(s, msg.until, 0)
+
+    def _set_limit(self, s: Session, until: int, n: int) -> None:
+        end = len(s.draft.tokens)
+        want = until if until > 0 else end + n
+        s.limit = min(want, end + self.cfg.max_lookahead, s.draft.n_ctx)
+        if s.limit > end:
+            self.wakeup.set()
+
+    async def on_close(self, ident: bytes, msg: protocol.Close, frames) -> None:
+        s = self.sessions.pop(msg.sid, None)
+        if s is not None:
+            s.closed = True
+            self.order.remove(s.sid)
+            if not s.busy:
+                self._free(s)
+        metrics.SESSIONS.labels(self.name).set(len(self.sessions))
+        await self.send(ident, protocol.Ack(sid=msg.sid, seq=msg.seq, rid=msg.rid))
+
+    def _free(self, s: Session) -> None:
+        s.closed = True
+        s.draft.close()
+
+    # --- the drafting loop ----------------------------------------------------------------------
+    def _next(self) -> Session | None:
+        n = len(self.order)
+        for i in range(n):
+            sid = self.order[(self.turn + i) % n]
+            s = self.sessions[sid]
+            if s.wants_step():
+                self.turn = (self.turn + i + 1) % n
+                return s
+        return None
+
+    async def draft_loop(self) -> None:
+        while True:
+            s = self._next()
+            if s is None:
+                self.wakeup.clear()
+                await self.wakeup.wait()
+                continue
+            try:
+                await self._step(s)
+            except Exception:  # noqa: BLE001 - one session's bug must not stop all drafting
+                self.log.exception("drafting for %s failed; session dropped", s.sid)
+                if self.sessions.pop(s.sid, None) is not None:
+                    self.order.remove(s.sid)
+                    self._free(s)
+
+    async def _step(self, s: Session) -> None:
+        """One step of one session: its prefill, or one draft token, then a pending rollback."""
+        s.busy = True
+        epoch = s.epoch
+        try:
+            if not s.prefilled:
+                seconds = await self.compute(s.draft.prefill)
+                result = None
+            else:
+                result = await self.compute(s.draft.step)
+        except DraftError as e:
+            result = e
+        finally:
+            s.busy = False
+        if s.closed:
+            self._free(s)
+            return
+        if isinstance(result, DraftError):
+            code = protocol.TOO_LARGE if "context full" in str(result) else protocol.INTERNAL
+            await self.error(s.ident, protocol.DraftRequest(sid=s.sid, seq=s.epoch, rid=s.rid),
+                             code, str(result))
+            s.limit = len(s.draft.tokens)
+            if not s.prefilled:   # a session that cannot hold its prompt is gone
+                self.sessions.pop(s.sid, None)
+                self.order.remove(s.sid)
+                self._free(s)
+        elif not s.prefilled:
+            s.prefilled = True
+            metrics.FORWARD.labels(self.name, "prefill").observe(seconds)
+            await self.send(s.ident, protocol.Ack(sid=s.sid, seq=s.open_seq, rid=s.rid))
+        elif epoch == s.epoch and not any(isinstance(m, protocol.DraftRollback)
+                                           for m in s.pending):
+            metrics.FORWARD.labels(self.name, "draft").observe(result.seconds)
+            await self.send(s.ident, *self._tokens_msg(s, result))
+        while s.pending:
+            m = s.pending.pop(0)
+            if isinstance(m, protocol.DraftRollback):
+                await self._apply_rollback(s, m)
+            else:
+                self._request(s, m)
+
+    def _tokens_msg(self, s: Session, d) -> tuple[protocol.DraftTokens, list]:
+        msg = protocol.DraftTokens(sid=s.sid, seq=s.epoch, rid=s.rid, start=d.position,
+                                   token_ids=[d.token], probs=[d.prob], seconds=d.seconds)
+        buffers = []
+        if d.q_ids is not None:
+            msg.q_ids, ids = protocol.tensor_frame(d.q_ids.reshape(1, -1), 0)
+            msg.q_probs, probs = protocol.tensor_frame(d.q_probs.reshape(1, -1), 1)
+            buffers = [ids, probs]
+        return msg, buffers
+
+
+def main(argv=None) -> None:
+    from common import log  # noqa: PLC0415
+
+    cfg = load(DrafterConfig, "drafter", argv)
+    log.setup("drafter", cfg.log_level)
+    Drafter(cfg).run()
+
+
+if __name__ == "__main__":
+    main()

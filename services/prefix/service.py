@@ -1,0 +1,226 @@
+"""The prefix: the edge side of split mode (DySCo). It holds layers [0, c_max) of the target once
+and serves sessions at any cut c <= c_max from that one resident copy (dyForward).
+
+Per session: the cut, fixed at open, and the KV cache of layers [0, c). PrefixOpen prefills the
+prompt through [0, c); each PrefixStep runs one new token through [0, c). Both answer with the
+cut-layer hidden states (`Hidden`), in `wire_dtype` on the wire.
+
+Steps of all sessions that are waiting run as one batched pass (`run_prefixes`): every session
+starts at layer 0 and leaves the ragged batch at its own cut, so layer l runs once for all
+sessions deeper than l.
+
+Wire dtype: "auto" sends the compute dtype, which is lossless by construction (the suffix then
+sees exactly the hidden state the full model computes). For the bundled fp32 target that is
+float32, 2.3 KB per decode token; float16 halves it and kept greedy output identical to the full
+model for every cut 1..29 on the prompts we measured (bench/bench_split.py --sections wire), but it
+is not exact, so it is opt-in; bfloat16 changed tokens at 5 of 116 (cut, prompt) pairs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+
+import torch
+
+from common import metrics, protocol
+from common.config import load
+from common.protocol import Msg, ProtocolError
+from common.runner import Segment
+from common.runtime import Service
+from services.prefix.config import PrefixConfig
+
+WIRE_DTYPES = ("auto", "float16", "bfloat16", "float32")
+
+
+def run_prefixes(runner, items: list[tuple[object, torch.Tensor, int]]) -> list[torch.Tensor]:
+    """Advance each (kv, token_ids, cut) through layers [0, cut) in one ragged batch per distinct
+    cut range; returns each item's hidden state after layer cut-1 ([n, hidden])."""
+    out: list[torch.Tensor | None] = [None] * len(items)
+    xs = [x for _, x, _ in items]
+    active = list(range(len(items)))
+    a = 0
+    for c in sorted({cut for _, _, cut in items}):
+        hs = runner.forward([Segment(items[i][0], xs[i]) for i in active], a, c)
+        for i, h in zip(active, hs):
+            xs[i] = h
+            if items[i][2] == c:
+                out[i] = h
+        active = [i for i in active if items[i][2] > c]
+        a = c
+    return out  # type: ignore[return-value]
+
+
+class PrefixSession:
+    def __init__(self, sid: str, cut: int, kv):
+        self.sid = sid
+        self.cut = cut
+        self.kv = kv
+        self.seq = -1            # seq of the latest request taken (open or step)
+        self.reply: tuple[Msg, list] | None = None  # answer to that request, for retries
+        self.busy = False        # a request is queued or running
+        self.closed = False
+
+
+@dataclass
+class Work:
+    session: PrefixSession
+    x: torch.Tensor       # token ids
+    start: int            # position of the first token
+    ident: bytes
+    msg: Msg
+
+
+class Prefix(Service):
+    name = "prefix"
+
+    def __init__(self, cfg: PrefixConfig):
+        super().__init__(cfg)
+        self.cfg: PrefixConfig = cfg
+        self.runner = None
+        self.sessions: dict[str, PrefixSession] = {}
+        self.queue: list[Work] = []
+        self.wakeup = asyncio.Event()
+        self.route(protocol.PrefixOpen, self.on_open)
+        self.route(protocol.PrefixStep, self.on_step)
+        self.route(protocol.Close, self.on_close)
+
+    async def setup(self) -> None:
+        from common import models  # noqa: PLC0415
+        from common.runner import LayerRangeRunner  # noqa: PLC0415
+
+        path = models.resolve_target(self.cfg.target)
+        L = json.loads((path / "config.json").read_text())["num_hidden_layers"]
+        self.c_max = self.cfg.c_max or L - 1
+        if not 1 <= self.c_max <= L - 1:
+            raise ValueError(f"c_max {self.cfg.c_max} outside [1, {L - 1}] for a {L}-layer model")
+        if self.cfg.wire_dtype not in WIRE_DTYPES:
+            raise ValueError(f"wire_dtype {self.cfg.wire_dtype!r} not one of {WIRE_DTYPES}")
+        dtype = getattr(torch, self.cfg.dtype)
+        self.wire = dtype if self.cfg.wire_dtype == "auto" else getattr(torch, self.cfg.wire_dtype)
+        self.runner = await asyncio.to_thread(
+            LayerRangeRunner, path, (0, self.c_max), dtype, self.cfg.threads or None)
+        self.log.info("prefix %s: layers [0, %d) of %d, wire %s", path, self.c_max, L, self.wire)
+        self.spawn(self.loop())
+
+    # --- requests -------------------------------------------------------------------------------
+    def check_tokens(self, ids: list[int]) -> None:
+        bad = [t for t in ids if not 0 <= t < self.runner.vocab_size]
+        if bad:
+            raise ProtocolError(protocol.BAD_FIELD, f"token ids outside the vocabulary "
+                                                    f"[0, {self.runner.vocab_size}): {bad[:5]}")
+
+    async def retry(self, ident: bytes, s: PrefixSession, msg: Msg) -> bool:
+        """A resent request (same seq) is answered from state, never run twice."""
+        if msg.seq != s.seq:
+            return False
+        if s.reply is not None and not s.busy:
+            reply, buffers = s.reply
+            reply.rid = msg.rid
+            await self.send(ident, reply, buffers)
+        return True  # still running: its answer is on the way
+
+    async def on_open(self, ident: bytes, msg: protocol.PrefixOpen, frames) -> None:
+        s = self.sessions.get(msg.sid)
+        if s is not None:
+            if await self.retry(ident, s, msg):
+                return
+            raise ProtocolError(protocol.SESSION_EXISTS, f"session {msg.sid!r} is already open")
+        if not msg.sid:
+            raise ProtocolError(protocol.BAD_FIELD, "sid must not be empty")
+        if not 1 <= msg.cut <= self.c_max:
+            raise ProtocolError(protocol.BAD_FIELD, f"cut {msg.cut} outside [1, {self.c_max}]: "
+                                                    f"this prefix holds layers [0, {self.c_max})")
+        if len(self.sessions) >= self.cfg.max_sessions:
+            raise ProtocolError(protocol.BUSY, f"{len(self.sessions)} sessions open (max_sessions)")
+        if not msg.token_ids:
+            raise ProtocolError(protocol.BAD_FIELD, "empty prompt")
+        if len(msg.token_ids) > self.limits.max_prompt_tokens:
+            raise ProtocolError(protocol.TOO_LARGE, f"prompt of {len(msg.token_ids)} tokens > "
+                                                    f"max_prompt_tokens {self.limits.max_prompt_tokens}")
+        self.check_tokens(msg.token_ids)
+        s = self.sessions[msg.sid] = PrefixSession(msg.sid, msg.cut, self.runner.new_kv(0, msg.cut))
+        metrics.SESSIONS.labels(self.name).set(len(self.sessions))
+        self.enqueue(ident, s, msg, msg.token_ids)
+
+    async def on_step(self, ident: bytes, msg: protocol.PrefixStep, frames) -> None:
+        s = self.sessions.get(msg.sid)
+        if s is None:
+            raise ProtocolError(protocol.UNKNOWN_SESSION, f"no prefix session {msg.sid!r}")
+        if await self.retry(ident, s, msg):
+            return
+        if msg.seq < s.seq:
+            raise ProtocolError(protocol.BAD_FIELD, f"stale step: seq {msg.seq} < {s.seq}")
+        if s.busy:
+            raise ProtocolError(protocol.BAD_FIELD, f"session {msg.sid!r} has a step in flight")
+        self.check_tokens([msg.token_id])
+        self.enqueue(ident, s, msg, [msg.token_id])
+
+    def enqueue(self, ident: bytes, s: PrefixSession, msg: Msg, ids: list[int]) -> None:
+        s.seq, s.busy, s.reply = msg.seq, True, None
+        self.queue.append(Work(s, torch.tensor(ids, dtype=torch.long), s.kv.length(), ident, msg))
+        self.wakeup.set()
+
+    async def on_close(self, ident: bytes, msg: protocol.Close, frames) -> None:
+        s = self.sessions.pop(msg.sid, None)
+        if s is not None:
+            s.closed = True
+        metrics.SESSIONS.labels(self.name).set(len(self.sessions))
+        await self.send(ident, protocol.Ack(sid=msg.sid, seq=msg.seq, rid=msg.rid))
+
+    # --- the step loop --------------------------------------------------------------------------
+    def step(self, batch: list[Work]) -> tuple[list[torch.Tensor], float]:
+        t = time.perf_counter()
+        hs = run_prefixes(self.runner, [(w.session.kv, w.x, w.session.cut) for w in batch])
+        hs = [h.to(self.wire) for h in hs]
+        return hs, time.perf_counter() - t
+
+    async def loop(self) -> None:
+        while True:
+            if not self.queue:
+                self.wakeup.clear()
+                await self.wakeup.wait()
+                continue
+            n = self.cfg.max_batch_sessions
+            batch = [w for w in self.queue[:n] if not w.session.closed]
+            del self.queue[:n]
+            if not batch:
+                continue
+            try:
+                hs, dt = await self.compute(self.step, batch)
+            except Exception as e:  # noqa: BLE001 - fail these sessions, keep serving the rest
+                self.log.exception("prefix forward failed")
+                for w in batch:
+                    self.sessions.pop(w.session.sid, None)
+                    await self.error(w.ident, w.msg, protocol.INTERNAL, f"prefix forward failed: {e}")
+                continue
+            phases = {"prefill" if w.x.shape[0] > 1 else "decode" for w in batch}
+            phase = phases.pop() if len(phases) == 1 else "mixed"
+            metrics.FORWARD.labels(self.name, phase).observe(dt)
+            metrics.FORWARD_TOKENS.labels(self.name, phase).observe(sum(w.x.shape[0] for w in batch))
+            for w, h in zip(batch, hs):
+                s = w.session
+                ref, buf = protocol.tensor_frame(h, 0)
+                reply = protocol.Hidden(sid=s.sid, seq=w.msg.seq, rid=w.msg.rid, cut=s.cut,
+                                        start=w.start, hidden=ref, seconds=dt)
+                s.reply, s.busy = (reply, [buf]), False
+                if not s.closed:
+                    await self.send(w.ident, reply, [buf])
+            metrics.KV_BYTES.labels(self.name).set(sum(s.kv.nbytes() for s in self.sessions.values()))
+            await asyncio.sleep(0)
+
+
+def main(argv=None) -> None:
+    from common import log  # noqa: PLC0415
+
+    cfg = load(PrefixConfig, "prefix", argv)
+    log.setup("prefix", cfg.log_level)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    Prefix(cfg).run()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,279 @@
+"""The suffix: the cloud side of split mode (DySCo). It holds the whole target once and runs, for
+each session, layers [c, L) + norm + LM head from the cut-layer hidden states the edge sends.
+
+Per session: the cut (fixed at open), sampling, and the KV cache of layers [c, L) only.
+SuffixOpen prefills from the hidden sequence of the prompt and answers the first token;
+each SuffixStep carries one hidden state and is answered with the next token (`SuffixToken`).
+
+Ready steps (prefills too, so sessions that arrive together prefill in one batch) gather into
+windows (window.py: `window_ms` / `max_size`; fifo and interleave take one step per window;
+with `early_close` a window also closes as soon as every open session is in it). Windows form
+here rather than in a dispatcher because the suffix is where the steps of every dispatcher meet.
+The configured scheduler (planning.py) turns a window into runner calls, and the executor
+(executor.py) runs them in ONE compute call per window. exact and dsb run multi-session decode
+calls padded like the DySCo prototype unless `paper_padding` is off; cascade runs ragged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from common import metrics, protocol, sampling
+from common.config import load
+from common.protocol import Msg, ProtocolError
+from common.runtime import Service
+from services.suffix.config import SuffixConfig
+from services.suffix.executor import PHASES, Item, execute
+from services.suffix.planning import SCHEDULERS, Request, RoundRobin, plan_window
+from services.suffix.window import WindowBuilder, WindowConfig
+
+HIDDEN_DTYPES = ("float16", "bfloat16", "float32")
+
+
+class SuffixSession:
+    def __init__(self, sid: str, cut: int, kv, sampling_cfg: protocol.Sampling):
+        self.sid = sid
+        self.cut = cut
+        self.kv = kv
+        self.sampling = sampling_cfg
+        self.seq = -1          # seq of the latest request taken (open or step)
+        self.reply: protocol.SuffixToken | None = None  # its answer, for retries
+        self.busy = False      # a request is waiting or running
+        self.closed = False
+
+
+@dataclass
+class Pending:
+    session: SuffixSession
+    x: torch.Tensor        # hidden states [n, hidden], runner dtype
+    ident: bytes
+    msg: Msg
+    arrival: float         # time.monotonic() when it became ready
+
+
+class Suffix(Service):
+    name = "suffix"
+
+    def __init__(self, cfg: SuffixConfig):
+        super().__init__(cfg)
+        self.cfg: SuffixConfig = cfg
+        if cfg.scheduler not in SCHEDULERS:
+            raise ValueError(f"scheduler {cfg.scheduler!r} not one of {SCHEDULERS}")
+        self.scheduler = cfg.scheduler
+        one_at_a_time = cfg.scheduler in ("fifo", "interleave")
+        self.builder = WindowBuilder(WindowConfig(0.0, 1) if one_at_a_time
+                                     else WindowConfig(cfg.window_ms, cfg.max_size))
+        self.padded = cfg.paper_padding and cfg.scheduler in ("exact", "dsb")
+        self.rr = RoundRobin()
+        self.runner = None
+        self.sessions: dict[str, SuffixSession] = {}
+        self.pending: dict[str, Pending] = {}   # sid -> its waiting step (one per session)
+        self.wakeup = asyncio.Event()
+        self.last_end = 0.0                     # when the previous window's compute ended
+        self.route(protocol.SuffixOpen, self.on_open)
+        self.route(protocol.SuffixStep, self.on_step)
+        self.route(protocol.Close, self.on_close)
+
+    async def setup(self) -> None:
+        from common import models  # noqa: PLC0415
+        from common.runner import LayerRangeRunner  # noqa: PLC0415
+
+        path = models.resolve_target(self.cfg.target)
+        self.runner = await asyncio.to_thread(
+            LayerRangeRunner, path, None, getattr(torch, self.cfg.dtype), self.cfg.threads or None)
+        self.L = self.runner.num_layers
+        self.log.info("suffix %s: %d layers, scheduler %s (window %.1f ms / %d%s)", path, self.L,
+                      self.scheduler, self.builder.config.window_ms, self.builder.config.max_size,
+                      ", padded" if self.padded else "")
+        self.spawn(self.loop())
+
+    # --- requests -------------------------------------------------------------------------------
+    def hidden(self, ref: protocol.TensorRef, frames) -> torch.Tensor:
+        H = self.runner.hidden_size
+        if ref.dtype not in HIDDEN_DTYPES:
+            raise ProtocolError(protocol.BAD_TENSOR, f"hidden dtype {ref.dtype} not one of {HIDDEN_DTYPES}")
+        if len(ref.shape) != 2 or ref.shape[1] != H or ref.shape[0] < 1:
+            raise ProtocolError(protocol.BAD_TENSOR, f"hidden must be [n >= 1, {H}], got {ref.shape}")
+        x = protocol.tensor_torch(ref, frames).to(self.runner.dtype)
+        if not torch.isfinite(x).all():
+            raise ProtocolError(protocol.BAD_TENSOR, "hidden holds non-finite values")
+        return x
+
+    async def retry(self, ident: bytes, s: SuffixSession, msg: Msg) -> bool:
+        """A resent request (same seq) is answered from state, never run twice."""
+        if msg.seq != s.seq:
+            return False
+        if s.reply is not None and not s.busy:
+            s.reply.rid = msg.rid
+            await self.send(ident, s.reply)
+        return True
+
+    async def on_open(self, ident: bytes, msg: protocol.SuffixOpen, frames) -> None:
+        s = self.sessions.get(msg.sid)
+        if s is not None:
+            if await self.retry(ident, s, msg):
+                return
+            raise ProtocolError(protocol.SESSION_EXISTS, f"session {msg.sid!r} is already open")
+        if not msg.sid:
+            raise ProtocolError(protocol.BAD_FIELD, "sid must not be empty")
+        if not 1 <= msg.cut <= self.L - 1:
+            raise ProtocolError(protocol.BAD_FIELD, f"cut {msg.cut} outside [1, {self.L - 1}] "
+                                                    f"for a {self.L}-layer model")
+        if msg.start != 0:
+            raise ProtocolError(protocol.BAD_FIELD, f"open must start at position 0, got {msg.start}")
+        sm = msg.sampling
+        if sm.temperature < 0 or not 0 < sm.top_p <= 1 or sm.top_k < 0:
+            raise ProtocolError(protocol.BAD_FIELD, "sampling: temperature >= 0, 0 < top_p <= 1, "
+                                                    "top_k >= 0")
+        if len(self.sessions) >= self.cfg.max_sessions:
+            raise ProtocolError(protocol.BUSY, f"{len(self.sessions)} sessions open (max_sessions)")
+        x = self.hidden(msg.hidden, frames)
+        if x.shape[0] > self.limits.max_prompt_tokens:
+            raise ProtocolError(protocol.TOO_LARGE, f"prompt of {x.shape[0]} positions > "
+                                                    f"max_prompt_tokens {self.limits.max_prompt_tokens}")
+        s = SuffixSession(msg.sid, msg.cut, self.runner.new_kv(msg.cut, self.L), sm)
+        self.sessions[msg.sid] = s
+        metrics.SESSIONS.labels(self.name).set(len(self.sessions))
+        self.enqueue(ident, s, msg, x)
+
+    async def on_step(self, ident: bytes, msg: protocol.SuffixStep, frames) -> None:
+        s = self.sessions.get(msg.sid)
+        if s is None:
+            raise ProtocolError(protocol.UNKNOWN_SESSION, f"no suffix session {msg.sid!r} "
+                                                          f"(never opened, or closed)")
+        if await self.retry(ident, s, msg):
+            return
+        if msg.seq < s.seq:
+            raise ProtocolError(protocol.BAD_FIELD, f"stale step: seq {msg.seq} < {s.seq}")
+        if s.busy:
+            raise ProtocolError(protocol.BAD_FIELD, f"session {msg.sid!r} has a step in flight")
+        if msg.start != s.kv.length():
+            raise ProtocolError(protocol.BAD_FIELD, f"step at position {msg.start}, but session "
+                                                    f"{msg.sid!r} holds {s.kv.length()} positions")
+        x = self.hidden(msg.hidden, frames)
+        if x.shape[0] != 1:
+            raise ProtocolError(protocol.BAD_TENSOR, f"a decode step carries one hidden state "
+                                                     f"[1, {self.runner.hidden_size}], got {list(x.shape)}")
+        self.enqueue(ident, s, msg, x)
+
+    def enqueue(self, ident: bytes, s: SuffixSession, msg: Msg, x: torch.Tensor) -> None:
+        now = time.monotonic()
+        s.seq, s.busy, s.reply = msg.seq, True, None
+        self.pending[s.sid] = Pending(s, x, ident, msg, now)
+        self.builder.add(Request(s.sid, s.cut, x.shape[0], now), now)
+        self.wakeup.set()
+
+    async def on_close(self, ident: bytes, msg: protocol.Close, frames) -> None:
+        s = self.sessions.pop(msg.sid, None)
+        if s is not None:
+            s.closed = True
+            self.unqueue(msg.sid)
+            self.rr.drop(msg.sid)
+        metrics.SESSIONS.labels(self.name).set(len(self.sessions))
+        await self.send(ident, protocol.Ack(sid=msg.sid, seq=msg.seq, rid=msg.rid))
+
+    def unqueue(self, sid: str) -> None:
+        if self.pending.pop(sid, None) is not None:
+            self.builder.pending = type(self.builder.pending)(
+                (t, r) for t, r in self.builder.pending if r.sid != sid)
+
+    # --- windows ------------------------------------------------------------------------------
+    def take_window(self, now: float) -> list[Pending]:
+        if self.scheduler == "interleave":
+            ready = [r.sid for _, r in self.builder.pending]
+            picked = self.rr.order(ready, limit=1)
+            if not picked:
+                return []
+            sids = picked
+            self.builder.pending = type(self.builder.pending)(
+                (t, r) for t, r in self.builder.pending if r.sid not in picked)
+        else:
+            sids = [r.sid for r in self.builder.take(now)]
+        return [self.pending.pop(sid) for sid in sids]
+
+    async def next_window(self) -> list[Pending]:
+        while True:
+            now = time.monotonic()
+            # nobody else can join when every open session is already waiting in the window
+            full = (self.cfg.early_close and self.builder.pending
+                    and len(self.builder.pending) == len(self.sessions)
+                    and len(self.builder.pending) <= self.builder.config.max_size)
+            if full or self.builder.ready(now):
+                window = self.take_window(math.inf if full else now)
+                if window:
+                    return window
+            deadline = self.builder.deadline()
+            self.wakeup.clear()
+            timeout = None if deadline is None else max(0.0, deadline - now)
+            try:
+                await asyncio.wait_for(self.wakeup.wait(), timeout)
+            except asyncio.TimeoutError:
+                pass
+
+    def step(self, plan, window: list[Pending]):
+        """Execute one window's plan and choose the tokens (on the compute thread)."""
+        t = time.perf_counter()
+        res = execute(self.runner, plan, {p.session.sid: Item(p.session.kv, p.x) for p in window},
+                      padded=self.padded)
+        tokens = [sampling.sample(res.logits[p.session.sid], p.session.sampling,
+                                  p.session.kv.length()) for p in window]
+        return res, tokens, time.perf_counter() - t
+
+    async def loop(self) -> None:
+        sched = (self.name, self.scheduler)
+        while True:
+            window = await self.next_window()
+            reqs = [Request(p.session.sid, p.session.cut, p.x.shape[0], p.arrival) for p in window]
+            plan = plan_window(self.scheduler, reqs, self.L, self.rr)
+            start = time.monotonic()
+            if self.last_end:
+                metrics.SPLIT_IDLE_GAP.labels(*sched).observe(start - self.last_end)
+            try:
+                res, tokens, dt = await self.compute(self.step, plan, window)
+            except Exception as e:  # noqa: BLE001 - fail these sessions, keep serving the rest
+                self.log.exception("suffix window failed")
+                for p in window:
+                    self.sessions.pop(p.session.sid, None)
+                    p.session.closed = True
+                    await self.error(p.ident, p.msg, protocol.INTERNAL, f"suffix forward failed: {e}")
+                self.last_end = time.monotonic()
+                continue
+            self.last_end = time.monotonic()
+            cuts = [p.session.cut for p in window]
+            metrics.SPLIT_WINDOW_SIZE.labels(*sched).observe(len(window))
+            metrics.SPLIT_WINDOW_DEPTH.labels(*sched).observe(max(cuts) - min(cuts))
+            metrics.SPLIT_CALLS_PER_STEP.labels(*sched).observe(res.calls)
+            for phase in PHASES:
+                if res.seconds[phase]:
+                    metrics.FORWARD.labels(self.name, phase).observe(res.seconds[phase])
+            metrics.FORWARD_TOKENS.labels(self.name, "step").observe(sum(p.x.shape[0] for p in window))
+            for p, token in zip(window, tokens):
+                s = p.session
+                metrics.QUEUE_TIME.labels(self.name).observe(start - p.arrival)
+                metrics.SPLIT_TOKENS.labels(self.name, self.scheduler, str(s.cut)).inc()
+                reply = protocol.SuffixToken(sid=s.sid, seq=p.msg.seq, rid=p.msg.rid,
+                                             position=s.kv.length(), token=token, seconds=dt,
+                                             queued=start - p.arrival)
+                s.reply, s.busy = reply, False
+                if not s.closed:
+                    await self.send(p.ident, reply)
+            metrics.KV_BYTES.labels(self.name).set(sum(s.kv.nbytes() for s in self.sessions.values()))
+
+
+def main(argv=None) -> None:
+    from common import log  # noqa: PLC0415
+
+    cfg = load(SuffixConfig, "suffix", argv)
+    log.setup("suffix", cfg.log_level)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    Suffix(cfg).run()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,265 @@
+"""Shared by the reliability tests (chaos, faults, load, fuzz, security): a raw stream recorder
+that sees every event the dispatcher sends (duplicates included, which the SDK would hide), a
+WAN proxy on its own thread, cluster start-up, and the figures file docs/reliability.md is
+rendered from (bench/reliability_report.py).
+
+Figures go to $TANDEM_RELIABILITY_DIR (default run/reliability/), one JSON per section, keyed by
+check name, so a rerun replaces its own figures and leaves the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import json
+import os
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import zmq
+
+from common import protocol
+from common.launcher import Cluster
+from common.models import repo_root
+from common.wan import LinkShape, WanProxy
+
+# Service flags that make failures visible in ~1 s instead of ~6 s (tests only).
+FAST_PEERS = ["--heartbeat-s", "0.25", "--peer-timeout-s", "1.5"]
+ONE_THREAD = ["--threads", "1"]   # two shared cores: each model process keeps to one
+
+
+def results_dir() -> Path:
+    return Path(os.environ.get("TANDEM_RELIABILITY_DIR", repo_root() / "run" / "reliability"))
+
+
+def record(section: str, name: str, **figures) -> None:
+    """Store one check's figures (replacing an older run of the same check)."""
+    d = results_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / f"{section}.json"
+    with open(d / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        data = json.loads(path.read_text()) if path.exists() else {}
+        data[name] = {**figures, "recorded": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        path.write_text(json.dumps(data, indent=2, default=float) + "\n")
+
+
+@contextlib.contextmanager
+def running(cluster: Cluster, timeout: float = 240.0):
+    cluster.start_all()
+    try:
+        cluster.wait_ready(timeout=timeout)
+        yield cluster
+    finally:
+        cluster.stop_all()
+
+
+def rss_mb(pid: int) -> float:
+    return psutil.Process(pid).memory_info().rss / 2**20
+
+
+def no_sessions_left(c: Cluster, wait_s: float = 15.0) -> None:
+    """Every service's session gauges are back to 0 (closes are asynchronous: wait a little)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        left = {}
+        for name, p in c.procs.items():
+            with urllib.request.urlopen(p.url("/metrics"), timeout=5) as r:
+                for line in r.read().decode().splitlines():
+                    if line.startswith(("tandem_sessions{", "tandem_active_sessions{")):
+                        value = float(line.rsplit(" ", 1)[1])
+                        if value:
+                            left[f"{name}:{line.split(' ')[0]}"] = value
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert not left, f"sessions left behind: {left}"
+
+
+# ------------------------------------------------------------------------- stream recorder
+
+@dataclass
+class Event:
+    t: float                   # time.monotonic() at arrival
+    msg: protocol.Msg
+
+
+@dataclass
+class Stream:
+    """Every message the dispatcher sent for one request, in arrival order."""
+    prompt_ids: list[int]
+    sent_at: float = 0.0
+    events: list[Event] = field(default_factory=list)
+
+    @property
+    def token_events(self) -> list[Event]:
+        return [e for e in self.events if isinstance(e.msg, protocol.TokenEvent)]
+
+    @property
+    def tokens(self) -> list[int]:
+        """Every token received, in order, duplicates included."""
+        return [t for e in self.token_events for t in e.msg.token_ids]
+
+    @property
+    def end(self) -> protocol.Msg | None:
+        ends = [e.msg for e in self.events if isinstance(e.msg, (protocol.Done, protocol.Error))]
+        return ends[0] if ends else None
+
+    @property
+    def done(self) -> protocol.Done | None:
+        return self.end if isinstance(self.end, protocol.Done) else None
+
+    @property
+    def error(self) -> protocol.Error | None:
+        return self.end if isinstance(self.end, protocol.Error) else None
+
+    def check_exactly_once(self) -> None:
+        """Invariant 5: event indices tile 0..n-1 with no gap, no overlap, no repeat."""
+        at = 0
+        for e in self.token_events:
+            assert e.msg.index == at, f"token event at index {e.msg.index}, expected {at}"
+            at += len(e.msg.token_ids)
+        ends = [e for e in self.events if isinstance(e.msg, (protocol.Done, protocol.Error))]
+        assert len(ends) <= 1, f"{len(ends)} end events"
+
+    def token_times(self) -> list[float]:
+        return [e.t for e in self.token_events for _ in e.msg.token_ids]
+
+    def longest_gap(self) -> float:
+        """Longest silence between consecutive tokens (the fault's visible cost)."""
+        ts = self.token_times()
+        return max((b - a for a, b in zip(ts, ts[1:])), default=0.0)
+
+    def gap_after(self, t: float) -> float | None:
+        """From `t` (a fault) to the next token: the time the client waited to recover."""
+        later = [x for x in self.token_times() if x >= t]
+        return later[0] - t if later else None
+
+
+class Recorder:
+    """Raw DEALER client on its own thread: sends GenerateRequests and records every reply."""
+
+    def __init__(self, endpoint: str):
+        self.endpoint = endpoint
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self.streams: dict[int, Stream] = {}
+        self.rid = 0
+        self.lock = threading.Lock()
+        self.cond = threading.Condition(self.lock)
+        self.stop = threading.Event()
+        self.outbox: list[list[bytes]] = []
+        self.thread = threading.Thread(target=self._loop, daemon=True, name="recorder")
+        self.thread.start()
+
+    def _loop(self) -> None:
+        # one thread owns the socket (ZMQ sockets are not thread-safe); others queue sends
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        while not self.stop.is_set():
+            with self.lock:
+                out, self.outbox = self.outbox, []
+            for frames in out:
+                self.sock.send_multipart(frames)
+            if not poller.poll(5):
+                continue
+            while True:
+                try:
+                    frames = self.sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                t = time.monotonic()
+                msg = protocol.decode(frames, protocol.Limits())
+                with self.cond:
+                    s = self.streams.get(msg.rid)
+                    if s is not None:
+                        s.events.append(Event(t, msg))
+                    self.cond.notify_all()
+
+    def generate(self, prompt_ids: list[int], max_tokens: int, deadline_s: float = 120.0,
+                 mode: str = "cloud-only", **kw) -> Stream:
+        with self.lock:
+            self.rid += 1
+            rid = self.rid
+            s = self.streams[rid] = Stream(list(prompt_ids), sent_at=time.monotonic())
+            msg = protocol.GenerateRequest(rid=rid, token_ids=list(prompt_ids), mode=mode,
+                                           max_tokens=max_tokens, stop_at_eos=False,
+                                           deadline_s=deadline_s, **kw)
+            self.outbox.append(protocol.encode(msg))
+        return s
+
+    def wait(self, cond, timeout: float) -> bool:
+        with self.cond:
+            return self.cond.wait_for(cond, timeout)
+
+    def wait_tokens(self, stream: Stream, n: int, timeout: float = 120.0) -> bool:
+        return self.wait(lambda: len(stream.tokens) >= n or stream.end is not None, timeout)
+
+    def wait_end(self, streams: list[Stream], timeout: float = 180.0) -> bool:
+        return self.wait(lambda: all(s.end is not None for s in streams), timeout)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+        self.sock.close(0)
+        self.ctx.term()
+
+    def __enter__(self) -> "Recorder":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# --------------------------------------------------------------------------- WAN on a thread
+
+class Link:
+    """A WanProxy on its own event-loop thread, steered from synchronous test code."""
+
+    def __init__(self, target_endpoint: str, **proxy_kw):
+        host, port = target_endpoint.removeprefix("tcp://").rsplit(":", 1)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="wan")
+        self.thread.start()
+        self.proxy: WanProxy = self.call(self._start(host, int(port), proxy_kw))
+
+    async def _start(self, host, port, kw) -> WanProxy:
+        return await WanProxy("127.0.0.1", 0, host, port, seed=7, **kw).start()
+
+    def call(self, coro_or_fn, *args, **kw):
+        if asyncio.iscoroutine(coro_or_fn):
+            return asyncio.run_coroutine_threadsafe(coro_or_fn, self.loop).result(30)
+
+        async def run():
+            return coro_or_fn(*args, **kw)
+        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(30)
+
+    @property
+    def endpoint(self) -> str:
+        return f"tcp://127.0.0.1:{self.proxy.port}"
+
+    def shape(self, **fields) -> None:
+        """Same shape both ways; clears every field not given."""
+        self.call(self.proxy.set, "both", **{**LinkShape().state(), **fields})
+
+    def drop(self) -> int:
+        return self.call(self.proxy.drop)
+
+    def partition(self, seconds: float, mode: str = "hold") -> None:
+        self.call(self.proxy.partition, seconds, mode)
+
+    def stats(self) -> dict:
+        return self.call(self.proxy.stats)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.call(self.proxy.stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
