@@ -102,6 +102,8 @@ def main(argv=None) -> int:
         parts += [f"## `{f.name}`", "",
                   f"Command: `{doc.get('command', 'tandem bench ' + doc['bench'])}` — "
                   f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores, {m.get('date', '?')}", ""]
+        if doc.get("note"):
+            parts += [f"Note: {doc['note']}", ""]
         section = {"spec": spec_section, "split": split_section}.get(doc["bench"], generic_section)
         parts += [section(doc, f.stem), ""]
         if doc["bench"] in ("spec", "split", "overhead"):
