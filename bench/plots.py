@@ -22,10 +22,28 @@ def _spec(doc: dict, ax) -> None:
     ax.set_title(f"spec — scenario {doc.get('scenario')}")
 
 
+def split_rows(doc: dict) -> list[dict]:
+    """Flat rows from either shape bench_split writes: flat results or sections of rows."""
+    out = []
+    for r in doc["results"]:
+        for row in (r.get("rows") or [r]):
+            row = {**row, "section": r.get("section", row.get("section", ""))}
+            row.setdefault("scheduler", row.get("variant"))
+            row.setdefault("throughput_tok_s", row.get("throughput"))
+            row.setdefault("concurrency", row.get("load", row.get("fleet", row.get("context"))))
+            row.setdefault("mean_latency_s", row.get("latency"))
+            if "mismatches" in row:
+                row.setdefault("identical_to_reference", row["mismatches"] == 0)
+            out.append(row)
+    return out
+
+
 def _split(doc: dict, ax) -> None:
     by_sched = defaultdict(list)
-    for r in doc["results"]:
-        if "throughput_tok_s" in r and r.get("scheduler") and r.get("concurrency") is not None:
+    for r in split_rows(doc):
+        if r.get("section", "poisson") != "poisson":
+            continue
+        if r.get("throughput_tok_s") is not None and r.get("scheduler") and isinstance(r.get("concurrency"), (int, float)):
             by_sched[r["scheduler"]].append((r["concurrency"], r["throughput_tok_s"]))
     for sched, pts in sorted(by_sched.items()):
         pts.sort()

@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from bench.plots import plot
+from bench.plots import plot, split_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "results"
@@ -61,10 +61,10 @@ def spec_section(doc: dict, name: str) -> str:
 
 
 def split_section(doc: dict, name: str) -> str:
-    rows = [r for r in doc["results"] if r.get("scheduler") and r.get("throughput_tok_s") is not None]
+    rows = [r for r in split_rows(doc) if r.get("scheduler") and r.get("throughput_tok_s") is not None]
     lines = [f"### Split mode — `{name}` (scenario `{doc.get('scenario')}`)", ""]
-    cols = ["section", "scheduler", "concurrency", "throughput tok/s", "mean latency s",
-            "identical to reference"]
+    cols = ["section", "scheduler", "load / fleet / context", "throughput tok/s",
+            "mean latency s", "identical to reference"]
     lines.append(_md_table([[r.get("section", r.get("kind", "")), r["scheduler"],
                              r.get("concurrency"), r["throughput_tok_s"], r.get("mean_latency_s"),
                              r.get("identical_to_reference")] for r in rows], cols))
