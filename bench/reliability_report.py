@@ -2,12 +2,12 @@
 
     python -m bench.reliability_report            # default suite (~5 min on 2 cores)
     python -m bench.reliability_report --slow     # + the full chaos sweep, long load, 300-example fuzz, atheris
-    python -m bench.reliability_report --render   # only re-render from run/reliability/*.json
+    python -m bench.reliability_report --render   # only re-render from the last run's figures
 
 The tests (tests/test_chaos.py, test_faults.py, test_load.py, test_fuzz.py, test_security.py)
-write one JSON per section into $TANDEM_RELIABILITY_DIR (run/reliability/ here); this script
-clears that directory, runs pytest, and writes the page from what the tests measured — no figure
-on the page is typed by hand. Exit status: pytest's.
+write one JSON per section into $TANDEM_RELIABILITY_DIR; this script points that at its own
+directory (run/reliability-report/), clears it, runs pytest, and writes the page from what the
+tests measured — no figure on the page is typed by hand. Exit status: pytest's.
 """
 
 from __future__ import annotations
@@ -134,8 +134,8 @@ def render(d: dict) -> str:
 
     # --- chaos
     L += ["## WAN chaos (tests/test_chaos.py)", "",
-          "The dispatcher reaches the verifier through the WAN emulator (common/wan.py); two "
-          f"greedy sessions run per condition. *recover* = fault injected to the next token at "
+          "The dispatcher reaches the verifier (cloud-only, spec) and the suffix (split) through "
+          "the WAN emulator (common/wan.py); two greedy sessions run per condition. *recover* = fault injected to the next token at "
           "the client; *longest gap* = longest silence between two tokens. Replays (reasons: "
           "`down` = heartbeats stopped, `gap` = a token index jumped, `stall` = silence with "
           "time left) rebuild the session from its committed tokens "
@@ -199,8 +199,8 @@ def render(d: dict) -> str:
         L += ["", "Per mode:", ""]
         L += _table(["run", "mode", "requests", "p50 s", "p99 s", "TTFT p50 s", "TTFT p99 s"],
                     rows)
-    L += ["", "Latency is request send to last token, at the client; closed-loop clients, each "
-          "request in a random mode, prompts of 3–10 tokens, 6–16 new tokens, model services on "
+    L += ["", "Latency is request send to last token, at the client; closed-loop clients spread "
+          "evenly over the modes, prompts of 3–10 tokens, 6–16 new tokens, model services on "
           "one thread each, all on one 2-core machine. Every result is checked against the "
           "reference. Memory: each service's peak RSS over the last 15 % of the run must stay within "
           "64 MB of its peak over 30–50 % of the run (after warm-up); a leak keeps raising the "
@@ -235,8 +235,8 @@ def render(d: dict) -> str:
         v = fuzz["HTTP bad clients"]
         L += [f"HTTP ports: {', '.join(v.get('bad_requests', []))}; "
               f"{v['slow_clients_per_service']} slow clients per service, all dropped (within "
-              f"{max(v.get('slow_dropped_within_s', {'?': 0}).values())} s); /healthz answered "
-              "throughout.", ""]
+              f"{max(v.get('slow_dropped_within_s', {'?': 0}).values())} s of connecting); "
+              "/healthz answered throughout.", ""]
     if "background session during fuzzing" in fuzz:
         v = fuzz["background session during fuzzing"]
         L += [f"A real {v['tokens']}-token session ran through all of it: exact, "
@@ -255,8 +255,29 @@ def render(d: dict) -> str:
 
     # --- security
     L += ["## Security (tests/test_security.py)", ""]
-    rows = [[name, _fmt({k: x for k, x in v.items() if k != "recorded"})]
-            for name, v in sec.items()]
+    rows = []
+    v = sec.get("CURVE dispatcher->verifier")
+    if v:
+        rows.append(["CURVE on dispatcher -> verifier", f"cloud-only generation through it equals "
+                     f"transformers; {v['wire_bytes']} bytes crossed a TCP tap on the link, none "
+                     "of the protocol's clear-text markers among them"])
+    v = sec.get("CURVE rejects unknown peers")
+    if v:
+        rows.append(["CURVE rejects unknown peers", "; ".join(
+            f"{k}: {n} replies" for k, n in v["replies"].items())
+            + f"; messages that reached a handler: {v['reached_handler']}; the allowed key from a "
+              "raw socket is answered"])
+    v = sec.get("ports bound to loopback")
+    if v:
+        rows.append(["ports bound to loopback", f"HTTP {v['http']}; ZMQ {v['zmq']}; checked on "
+                     f"running {', '.join(v['services_checked'])} via /proc/net/tcp"])
+    v = sec.get("per-client limits")
+    if v:
+        rows.append(["per-client limits", f"client_max_sessions {v['client_max_sessions']}, "
+                     f"client_max_tokens {v['client_max_tokens']}: a request alone over the "
+                     f"tokens -> `{v['over_tokens']}`; a second request in flight -> "
+                     f"`{v['over_sessions']}`; another client meanwhile: {v['other_client']}; the "
+                     f"first client after its request ended: {v['after_release']}"])
     L += _table(["check", "result"], rows)
     L += ["", "CURVE: `tandem keys create verifier dispatcher --allow dispatcher` writes the key "
           "pairs (zmq.auth); the verifier binds with `--curve-secret-key keys/verifier.key_secret "
@@ -274,7 +295,8 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--slow", action="store_true", help="also run the tests marked slow")
     ap.add_argument("--render", action="store_true", help="only render existing figures")
-    ap.add_argument("--results", default=str(repo_root() / "run" / "reliability"))
+    ap.add_argument("--results", default=str(repo_root() / "run" / "reliability-report"),
+                    help="figures directory (its own, so other pytest runs cannot mix in)")
     ap.add_argument("--out", default=str(repo_root() / "docs" / "reliability.md"))
     args = ap.parse_args(argv)
     out = Path(args.results)

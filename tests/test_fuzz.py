@@ -296,18 +296,20 @@ def _handshake(s: socket.socket) -> None:
     s.sendall(_ready())
 
 
-def _dropped(s: socket.socket, within: float) -> float | None:
-    """Seconds until the service closes the connection (None if it did not within `within`)."""
+def _dropped(s: socket.socket, within: float, since: float | None = None) -> float | None:
+    """Seconds from `since` (default: now) until the service closes the connection; None if it
+    did not within `within` seconds from now."""
     t = time.monotonic()
+    since = t if since is None else since
     s.settimeout(0.2)
     while time.monotonic() - t < within:
         try:
             if s.recv(65536) == b"":
-                return time.monotonic() - t
+                return time.monotonic() - since
         except socket.timeout:
             continue
         except ConnectionError:
-            return time.monotonic() - t
+            return time.monotonic() - since
     return None
 
 
@@ -401,6 +403,7 @@ def _http_ok(port: int) -> bool:
 
 def test_http_ports_survive_bad_clients(cluster):
     slow = {}
+    t_open = time.monotonic()
     for name, p in cluster.procs.items():                    # slow clients hold connections
         slow[name] = []
         for _ in range(20):
@@ -422,7 +425,7 @@ def test_http_ports_survive_bad_clients(cluster):
         assert _http_ok(p.http_port), f"{name} /healthz stopped answering"
     figures = {}
     for name, conns in slow.items():
-        dropped = [_dropped(c, within=12) for c in conns]
+        dropped = [_dropped(c, within=12, since=t_open) for c in conns]
         for c in conns:
             c.close()
         assert all(d is not None for d in dropped), f"{name} kept slow HTTP clients"
