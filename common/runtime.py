@@ -226,6 +226,20 @@ class Service:
         if self.stopping is not None:
             self.stopping.set()
 
+    @classmethod
+    def launch(cls, config_cls: type, argv: list[str] | None = None) -> None:
+        """`tandem serve <name>`: config (YAML < env < CLI), logging, torch threads, run."""
+        import sys  # noqa: PLC0415
+
+        from common import log  # noqa: PLC0415
+        from common.config import load  # noqa: PLC0415
+
+        cfg = load(config_cls, cls.name, argv)
+        log.setup(cls.name, cfg.log_level)
+        if cfg.threads and "torch" in sys.modules:  # services with a model imported torch
+            sys.modules["torch"].set_num_threads(cfg.threads)
+        cls(cfg).run()
+
     def run(self) -> None:
         """Blocking entry point: uvloop, SIGTERM/SIGINT -> graceful shutdown."""
         try:

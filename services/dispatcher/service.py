@@ -17,7 +17,6 @@ import time
 import uuid
 
 from common import metrics, protocol, security
-from common.config import load
 from common.protocol import Msg, ProtocolError
 from common.runtime import PeerError, Service
 from services.dispatcher import recovery
@@ -277,11 +276,7 @@ class Dispatcher(Service):
 
 
 def main(argv=None) -> None:
-    from common import log  # noqa: PLC0415
-
-    cfg = load(DispatcherConfig, "dispatcher", argv)
-    log.setup("dispatcher", cfg.log_level)
-    Dispatcher(cfg).run()
+    Dispatcher.launch(DispatcherConfig, argv)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ import asyncio
 import math
 
 from common import metrics, protocol
-from common.config import load
 from common.protocol import Msg, ProtocolError
 from common.runtime import Service
 from services.drafter.config import DrafterConfig
@@ -262,11 +261,7 @@ class Drafter(Service):
 
 
 def main(argv=None) -> None:
-    from common import log  # noqa: PLC0415
-
-    cfg = load(DrafterConfig, "drafter", argv)
-    log.setup("drafter", cfg.log_level)
-    Drafter(cfg).run()
+    Drafter.launch(DrafterConfig, argv)
 
 
 if __name__ == "__main__":

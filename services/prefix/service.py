@@ -26,7 +26,6 @@ from dataclasses import dataclass
 import torch
 
 from common import metrics, protocol
-from common.config import load
 from common.protocol import Msg, ProtocolError
 from common.runner import Segment
 from common.runtime import Service
@@ -213,13 +212,7 @@ class Prefix(Service):
 
 
 def main(argv=None) -> None:
-    from common import log  # noqa: PLC0415
-
-    cfg = load(PrefixConfig, "prefix", argv)
-    log.setup("prefix", cfg.log_level)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    Prefix(cfg).run()
+    Prefix.launch(PrefixConfig, argv)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 import torch
 
 from common import metrics, protocol, sampling
-from common.config import load
 from common.protocol import Msg, ProtocolError
 from common.runtime import Service
 from services.suffix.config import SuffixConfig
@@ -266,13 +265,7 @@ class Suffix(Service):
 
 
 def main(argv=None) -> None:
-    from common import log  # noqa: PLC0415
-
-    cfg = load(SuffixConfig, "suffix", argv)
-    log.setup("suffix", cfg.log_level)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    Suffix(cfg).run()
+    Suffix.launch(SuffixConfig, argv)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 import torch
 
 from common import metrics, protocol, sampling
-from common.config import load
 from common.protocol import Msg, ProtocolError
 from common.runtime import Service
 from services.verifier.config import VerifierConfig
@@ -227,13 +226,7 @@ class Verifier(Service):
 
 
 def main(argv=None) -> None:
-    from common import log  # noqa: PLC0415
-
-    cfg = load(VerifierConfig, "verifier", argv)
-    log.setup("verifier", cfg.log_level)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    Verifier(cfg).run()
+    Verifier.launch(VerifierConfig, argv)
 
 
 if __name__ == "__main__":
