@@ -46,10 +46,26 @@ def _quiet_log(level, text, user_data):  # noqa: ARG001 - llama.cpp's chatter go
 _QUIET = L.llama_log_callback(_quiet_log)
 
 
+def _fix_mmap_threshold() -> None:
+    """Keep glibc from hoarding freed llama.cpp buffers.
+
+    Every session's context allocates a compute buffer of tens of MB and frees it at close. glibc
+    raises its mmap threshold to the size of each large block freed, so after the first close the
+    next contexts' buffers come from the heap instead of mmap, and a heap fragmented by contexts of
+    different sizes never shrinks: under steady load the drafter's RSS crept up by hundreds of MB
+    (tests/test_load.py). A fixed threshold sends every large buffer back to the OS at close."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 128 * 1024)   # M_MMAP_THRESHOLD; a fixed value turns the adjustment off
+    except (OSError, AttributeError):
+        pass                           # not glibc: nothing to fix
+
+
 def _init_backend(verbose: bool) -> None:
     global _backend_ready
     with _backend_lock:
         if not _backend_ready:
+            _fix_mmap_threshold()
             if not verbose:
                 L.llama_log_set(_QUIET, ctypes.c_void_p(0))
             L.llama_backend_init()
