@@ -3,8 +3,9 @@
 Names: prefix `tandem_`, base units, `_total` counters, histograms for latencies. Labels have low
 cardinality only (`service`, `mode`, `policy`, `cut`, `scheduler`, `phase`, `reason`, `code`,
 `position`) — never a session id. Each service process registers them all in the default
-registry; a metric a service never touches exports no samples (labelled children appear on
-first use), so dashboards only see what is real.
+registry; a metric a service never touches exports no samples. The label sets a service knows
+when it starts (its modes, policies, scheduler) are declared then, at 0 (`declare_*` below);
+other children appear on first use.
 """
 
 from __future__ import annotations
@@ -108,3 +109,46 @@ RECOVERY_TIME = Histogram("tandem_session_recovery_seconds",
 def refresh_process_metrics(service: str) -> None:
     """Called before each scrape: peak RSS from getrusage (kB on Linux)."""
     RSS.labels(service).set(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+
+
+# --- label sets a service knows at start ----------------------------------------------------
+# A child created with `.labels(...)` and never touched exports 0. Declaring every label set a
+# service knows when it starts means a series exists before its first event, so rate() and
+# increase() count that first event (Prometheus cannot see a series born at its final value
+# grow), and dashboards show 0 where nothing happened instead of no data.
+OUTCOMES = ("ok", "error", "cancelled", "deadline")     # tandem_requests_total{outcome}
+PROACTIVE_OUTCOMES = ("kept", "discarded")
+ACCEPTED_POSITIONS = tuple(str(i) for i in range(15)) + ("15+",)
+
+
+def declare_dispatcher(service: str, policies: dict[str, list[str]]) -> None:
+    """`policies`: mode -> the policy labels its requests carry (cloud-only and split requests
+    carry their mode; spec requests their policy)."""
+    for mode, names in policies.items():
+        PROMPT_TOKENS.labels(service, mode)
+        ACTIVE_SESSIONS.labels(service, mode)
+        for policy in names:
+            GENERATED_TOKENS.labels(service, mode, policy)
+            for outcome in OUTCOMES:
+                REQUESTS.labels(service, mode, policy, outcome)
+            for h in (TTFT, ITL, TPT, E2E):
+                h.labels(service, mode, policy)
+    for policy in policies.get("spec", ()):
+        for c in (SPEC_DRAFTS, SPEC_DRAFT_TOKENS, SPEC_ACCEPTED, SPEC_DRAFT_LEN, SPEC_BATCH_SIZE):
+            c.labels(service, policy)
+        for pos in ACCEPTED_POSITIONS:
+            SPEC_ACCEPTED_POS.labels(service, policy, pos)
+    if "spec" in policies:
+        for outcome in PROACTIVE_OUTCOMES:
+            PROACTIVE.labels(service, outcome)
+        BO_EVALUATIONS.labels(service)
+
+
+def declare_verifier(service: str) -> None:
+    EARLY_REJECTS.labels(service)
+
+
+def declare_suffix(service: str, scheduler: str) -> None:
+    for h in (SPLIT_WINDOW_SIZE, SPLIT_WINDOW_DEPTH, SPLIT_CALLS_PER_STEP, SPLIT_IDLE_GAP):
+        h.labels(service, scheduler)
+    QUEUE_TIME.labels(service)

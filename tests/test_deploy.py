@@ -9,35 +9,33 @@
   every expression parses (`promtool check rules`) and returns data from a real Prometheus
   scraping synthetic samples of every metric.
 
-Each tool-based test skips, saying why, when its tool is missing.  `dashboard_queries()`,
-`render_expr()`, `run_prometheus()` and `evaluate_panels()` are the helpers for the live test
-that scrapes running services.
+Each tool-based test skips, saying why, when its tool is missing.  The dashboard and Prometheus
+helpers live in common/observability.py, shared with the live test that scrapes the running
+services (tests/test_observability.py) and the dashboard screenshots (bench/dashboard_snapshots.py).
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import textwrap
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
-from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
 import pytest
 import yaml
+
+from common.observability import (DASHBOARDS, dashboard_queries, evaluate_panels, free_port,
+                                  iter_panels, label_values, label_values_query, load_dashboards,
+                                  prometheus_query, render_expr, run_prometheus, variable_queries)
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "compose.yaml"
@@ -46,7 +44,6 @@ DOCKERFILE = ROOT / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
 PROMETHEUS_YML = ROOT / "deploy" / "prometheus" / "prometheus.yml"
 GRAFANA = ROOT / "deploy" / "grafana"
-DASHBOARDS = GRAFANA / "dashboards"
 DATASOURCE_UID = "tandem-prom"
 DASHBOARD_NAMES = ("overview", "speculative", "split", "services")
 
@@ -115,25 +112,6 @@ _GROUPING = re.compile(r"\b(by|without|on|ignoring|group_left|group_right)\s*\((
 _MATCHER = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\s*(?:=~|!~|!=|=)")
 _KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and",
              "or", "unless", "offset", "inf", "nan", "start", "end"}
-_GRAFANA_VARS = re.compile(r"\$\{(\w+)(?::\w+)?\}|\$(\w+)")
-
-
-def render_expr(expr: str, variables: dict[str, str] | None = None, *,
-                rate_interval: str = "1m", range_: str = "5m", interval: str = "15s") -> str:
-    """Grafana's variables replaced, as Grafana would before sending `expr` to Prometheus.
-
-    Template variables default to `.*` (the dashboards' "All" value)."""
-    builtins = {"__rate_interval": rate_interval, "__range": range_, "__interval": interval,
-                "__range_s": "300", "__interval_ms": "15000"}
-    variables = variables or {}
-
-    def sub(m: re.Match) -> str:
-        name = m.group(1) or m.group(2)
-        if name in builtins:
-            return builtins[name]
-        return variables.get(name, ".*")
-
-    return _GRAFANA_VARS.sub(sub, expr)
 
 
 @dataclass
@@ -180,57 +158,6 @@ def scan_promql(expr: str) -> Scan:
 
 
 # ================================================================= dashboards
-
-@dataclass(frozen=True)
-class PanelQuery:
-    dashboard: str   # file stem: overview, speculative, split, services
-    panel: str       # panel title
-    ref_id: str
-    expr: str        # as written in the dashboard (Grafana variables unrendered)
-    instant: bool
-
-    def __str__(self) -> str:
-        return f"{self.dashboard} / {self.panel} / {self.ref_id}"
-
-
-def load_dashboards(directory: Path = DASHBOARDS) -> dict[str, dict]:
-    return {p.stem: json.loads(p.read_text()) for p in sorted(directory.glob("*.json"))}
-
-
-def iter_panels(dashboard: dict) -> Iterator[dict]:
-    for panel in dashboard.get("panels", []):
-        yield panel
-        yield from panel.get("panels", [])          # panels inside collapsed rows
-
-
-def dashboard_queries(directory: Path = DASHBOARDS) -> list[PanelQuery]:
-    """Every (dashboard, panel, expr) in the Grafana dashboards, for static and live checks."""
-    out = []
-    for name, dash in load_dashboards(directory).items():
-        for panel in iter_panels(dash):
-            for target in panel.get("targets", []):
-                if target.get("expr"):
-                    out.append(PanelQuery(name, panel.get("title", ""), target.get("refId", ""),
-                                          target["expr"], bool(target.get("instant"))))
-    return out
-
-
-def variable_queries(directory: Path = DASHBOARDS) -> list[tuple[str, str, str]]:
-    """(dashboard, variable, query) for every query variable, e.g. label_values(metric, label)."""
-    out = []
-    for name, dash in load_dashboards(directory).items():
-        for v in dash.get("templating", {}).get("list", []):
-            if v.get("type") == "query":
-                q = v.get("query")
-                out.append((name, v["name"], q.get("query", "") if isinstance(q, dict) else q))
-    return out
-
-
-def _label_values(query: str) -> tuple[str, str]:
-    m = re.fullmatch(r"\s*label_values\(\s*([A-Za-z_:][A-Za-z0-9_:]*)\s*,\s*(\w+)\s*\)\s*", query)
-    assert m, f"variable query {query!r} is not label_values(metric, label)"
-    return m.group(1), m.group(2)
-
 
 def _walk(obj, path=""):
     if isinstance(obj, dict):
@@ -306,7 +233,7 @@ def test_dashboard_metrics_exist_in_common_metrics():
             if fam and fam.type == "counter" and not {"rate", "increase"} & scan.functions:
                 problems.append(f"{pq}: counter {name} shown without rate()/increase()")
     for dash, var, query in variable_queries():
-        metric, label = _label_values(query)
+        metric, label = label_values_query(query)
         if metric not in catalog:
             problems.append(f"{dash}: variable {var} uses unknown metric {metric}")
         elif label not in labels_for(metric):
@@ -418,83 +345,7 @@ def test_dashboard_promql_parses():
         pytest.fail(msg)
 
 
-# ---- a real Prometheus (offline): helpers shared with the live test ---------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def prometheus_query(base: str, expr: str, timeout: float = 10) -> list[dict]:
-    """Instant query; returns the result vector, raises on a PromQL error."""
-    url = f"{base}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            body = json.load(r)
-    except urllib.error.HTTPError as e:
-        body = json.load(e)
-    if body.get("status") != "success":
-        raise AssertionError(f"{body.get('errorType')}: {body.get('error')}")
-    result = body["data"]["result"]
-    return result if isinstance(result, list) else [result]
-
-
-@contextlib.contextmanager
-def run_prometheus(targets: dict[str, str], workdir: Path, scrape_interval: str = "1s"
-                   ) -> Iterator[str]:
-    """A real Prometheus on loopback scraping {job: "host:port"}; yields its base URL."""
-    binary = shutil.which("prometheus")
-    if not binary:
-        pytest.skip("prometheus not installed (Debian: apt-get install prometheus)")
-    port = free_port()
-    config = {"global": {"scrape_interval": scrape_interval, "scrape_timeout": scrape_interval},
-              "scrape_configs": [{"job_name": job, "static_configs": [{"targets": [t]}]}
-                                 for job, t in targets.items()]}
-    (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
-    log = open(workdir / "prometheus.log", "w")  # noqa: SIM115
-    proc = subprocess.Popen(
-        [binary, f"--config.file={workdir / 'prometheus.yml'}",
-         f"--storage.tsdb.path={workdir / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
-        stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                with urllib.request.urlopen(f"{base}/-/ready", timeout=1):
-                    break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    log.flush()
-                    raise AssertionError("prometheus did not start:\n"
-                                         + (workdir / "prometheus.log").read_text()[-3000:])
-                time.sleep(0.2)
-        yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
-
-
-def evaluate_panels(base: str, queries: list[PanelQuery] | None = None, *,
-                    rate_interval: str = "1m", range_: str = "5m",
-                    variables: dict[str, str] | None = None
-                    ) -> list[tuple[PanelQuery, int, str | None]]:
-    """(query, number of series returned, error or None) for every panel query."""
-    out = []
-    for pq in queries if queries is not None else dashboard_queries():
-        expr = render_expr(pq.expr, variables, rate_interval=rate_interval, range_=range_)
-        try:
-            out.append((pq, len(prometheus_query(base, expr)), None))
-        except AssertionError as e:
-            out.append((pq, 0, str(e)))
-    return out
-
+# ---- a real Prometheus (offline), scraping synthetic samples ----------------------------
 
 # Synthetic samples for every metric, with the label values the dashboards assume
 # (common/metrics.py's help texts: policy parameter names, proactive outcomes...).
@@ -517,8 +368,8 @@ _SYNTHETIC_EXPORTER = textwrap.dedent("""
             m.POLICY_PARAM.labels("dispatcher", pol, name).set(v)
     d = "dispatcher"
     while True:
-        for mode, pol in (("speculative", "pipesd"), ("speculative", "vanilla"),
-                          ("split", "cascade")):
+        for mode, pol in (("spec", "pipesd"), ("spec", "vanilla"),
+                          ("split", "split")):
             m.REQUESTS.labels(d, mode, pol, "ok").inc()
             m.REQUESTS.labels(d, mode, pol, "error").inc(0.1)
             m.GENERATED_TOKENS.labels(d, mode, pol).inc(8)
@@ -579,14 +430,11 @@ def test_every_panel_returns_data_from_a_real_prometheus(tmp_path):
             time.sleep(1)
             results = evaluate_panels(base, rate_interval="10s", range_="30s")
             bad = [f"{pq}: {err or 'no data'}\n    {render_expr(pq.expr, rate_interval='10s')}"
-                   for pq, n, err in results if err or n == 0]
+                   for pq, result, err in results if err or not result]
             for dash, var, query in variable_queries():
-                metric, label = _label_values(query)
-                url = f"{base}/api/v1/label/{label}/values?" + urllib.parse.urlencode(
-                    {"match[]": metric})
-                with urllib.request.urlopen(url, timeout=10) as r:
-                    if not json.load(r)["data"]:
-                        bad.append(f"{dash}: variable {var} ({query}) has no values")
+                metric, label = label_values_query(query)
+                if not label_values(base, label, metric):
+                    bad.append(f"{dash}: variable {var} ({query}) has no values")
             assert not bad, f"{len(bad)} of {len(results)} queries failed:\n" + "\n".join(bad)
     finally:
         exporter.terminate()

@@ -159,6 +159,10 @@ class Dispatcher(Service):
                 self.modes[mode] = importlib.import_module(module)
             except ImportError as e:  # a deployment may ship only some modes
                 self.log.warning("mode %s unavailable: %s", mode, e)
+        policies = {mode: [mode] for mode in self.modes}   # the label sets known now, at 0
+        if "spec" in self.modes:
+            policies["spec"] = list(self.modes["spec"].POLICIES)
+        metrics.declare_dispatcher(self.name, policies)
 
     # --- client requests ----------------------------------------------------------------------
     def prompt_ids(self, msg: protocol.GenerateRequest) -> list[int]:

@@ -89,6 +89,7 @@ class Suffix(Service):
         self.log.info("suffix %s: %d layers, scheduler %s (window %.1f ms / %d%s)", path, self.L,
                       self.scheduler, self.builder.config.window_ms, self.builder.config.max_size,
                       ", padded" if self.padded else "")
+        metrics.declare_suffix(self.name, self.scheduler)
         self.spawn(self.loop())
 
     # --- requests -------------------------------------------------------------------------------

@@ -116,6 +116,7 @@ class Verifier(Service):
         self.vocab_size = self.runner.vocab_size
         self.log.info("target %s loaded: %d layers, vocab %d", path, self.runner.num_layers,
                       self.vocab_size)
+        metrics.declare_verifier(self.name)
         self.spawn(self.engine_loop())
 
     # --- admission ------------------------------------------------------------------------------
