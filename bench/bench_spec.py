@@ -1,17 +1,21 @@
 """Speculative policies side by side (DESIGN.md §3): PipeSD and its baselines on the same prompts,
 the same drafter and the same verifier, over an emulated WAN.
 
-    python -m bench.bench_spec [--quick] [--json PATH] [--scenario s1|lan|none]
+    python -m bench.bench_spec [--quick] [--json PATH] [--scenario s1|s2|s3|s4|lan|none]
                                [--drafter bundled|bundled-q4_1] [--max-tokens N] [--repeats R]
+                               [--uplink 10,20,40,80]
 
 Services run as real processes (common.launcher.Cluster): the drafter and the dispatcher (the
 edge) pinned to core 0, the verifier (the cloud) to core 1, one thread each, so the numbers
 measure scheduling, not two models fighting over two cores. The dispatcher reaches the verifier
 through the WAN emulator (common/wan.py WanProxy, PipeSD's S1 by default: 20 Mbit/s up,
-200 Mbit/s down, 25 ms one way); `--scenario none` is plain loopback.
+200 Mbit/s down, 25 ms one way); `--scenario none` is plain loopback. S2 and S3 are S1's link with
+a slower edge: the drafter held to 50 % / 25 % of its core by a CPU quota (cgroup cpu.cfs_quota_us,
+as `docker run --cpus` does). `--uplink` sweeps the uplink bandwidth: the proxy is reshaped at run
+time and every policy runs at every bandwidth, in one run with one set of processes.
 
-Per policy: TPT (request wall time / tokens, PipeSD's headline figure) median and spread over
-prompts x repeats, acceptance rate, mean draft length, verifier forward passes per emitted token,
+Per policy: TPT (request wall time / tokens, PipeSD's headline figure) median and spread (IQR) over
+prompts x repeats, Welch's t of its TPT against pipesd's (|t| > 2.5: significant), acceptance rate, mean draft length, verifier forward passes per emitted token,
 proactive tokens kept / discarded, early rejects, and whether the greedy output is identical to
 transformers' generate(do_sample=False) on the target (the reference). Requests of different
 policies are interleaved so drift in machine load spreads over all of them. The BO autotuner of
@@ -24,17 +28,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import os
 import statistics
 import sys
 import threading
 import time
 import warnings
+from pathlib import Path
 
-from bench.report import summary, table, write_json
+from bench.report import summary, table, welch_t, write_json
 from common.launcher import Cluster, free_port
 from tests.conftest import PROMPTS
 
 POLICIES = ["cloud-only", "vanilla", "hsl", "edgellm", "pipesd", "pipesd-stream", "oracle"]
+EDGE_QUOTA = {"s2": 0.5, "s3": 0.25}   # slower edges: the drafter's share of its one core
+LINK_OF = {"s2": "s1", "s3": "s1"}     # ... on S1's link
 
 
 class Link:
@@ -52,6 +61,11 @@ class Link:
         asyncio.run_coroutine_threadsafe(self.proxy.start(), self.loop).result(10)
         if sc.schedule is not None:
             self.loop.call_soon_threadsafe(self.proxy.play, sc.schedule)
+
+    def set_uplink(self, mbit: float) -> None:
+        async def go():
+            self.proxy.set("up", bandwidth_mbit=float(mbit))
+        asyncio.run_coroutine_threadsafe(go(), self.loop).result(10)
 
     def close(self):
         asyncio.run_coroutine_threadsafe(self.proxy.stop(), self.loop).result(10)
@@ -77,15 +91,153 @@ def reference_outputs(prompts: dict[str, list[int]], n: int) -> dict[str, list[i
     return out
 
 
+class CpuQuota:
+    """A cgroup (v1 `cpu` or v2) holding a process to `share` of one core, like `docker --cpus`."""
+
+    def __init__(self, pid: int, share: float, name: str = "tandem-bench-edge"):
+        period = 100_000
+        v1 = Path("/sys/fs/cgroup/cpu")
+        v2 = Path("/sys/fs/cgroup")
+        if (v1 / "cpu.cfs_quota_us").exists():
+            self.dir = v1 / name
+            self.dir.mkdir(exist_ok=True)
+            (self.dir / "cpu.cfs_period_us").write_text(str(period))
+            (self.dir / "cpu.cfs_quota_us").write_text(str(int(period * share)))
+        elif (v2 / "cgroup.controllers").exists():
+            self.dir = v2 / name
+            self.dir.mkdir(exist_ok=True)
+            (self.dir / "cpu.max").write_text(f"{int(period * share)} {period}")
+        else:
+            raise SystemExit("no cgroup cpu controller here: S2/S3 need one (run as root)")
+        (self.dir / "cgroup.procs").write_text(str(pid))
+        for task in Path(f"/proc/{pid}/task").iterdir():   # threads started before the move
+            with contextlib.suppress(OSError):
+                (self.dir / "tasks").write_text(task.name)
+
+    def close(self) -> None:
+        root = self.dir.parent
+        with contextlib.suppress(OSError):
+            for pid in (self.dir / "cgroup.procs").read_text().split():
+                (root / "cgroup.procs").write_text(pid)
+            self.dir.rmdir()
+
+
+def encode_prompts(kinds: list[str]) -> dict[str, list[int]]:
+    """The shipped prompt set (tests/conftest.PROMPTS), tokenised; chat through the template."""
+    from transformers import AutoTokenizer
+
+    from common import models
+    tok = AutoTokenizer.from_pretrained(str(models.resolve_target("bundled")))
+    prompts = {}
+    for k in kinds:
+        if k == "chat":
+            ids = tok.apply_chat_template([{"role": "user", "content": PROMPTS[k]}],
+                                          add_generation_prompt=True, tokenize=True,
+                                          return_dict=False)
+            prompts[k] = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        else:
+            prompts[k] = tok.encode(PROMPTS[k])
+    return prompts
+
+
+@contextlib.contextmanager
+def spec_cluster(scenario: str, drafter: str, bo: bool = True, proactive_depth: int = 1):
+    """Verifier (cloud, core 1) behind the WAN emulator; drafter + dispatcher (edge, core 0).
+    Yields (Client, Link or None, note)."""
+    from tandem import Client
+    cores = os.cpu_count() or 1
+    pin = {"drafter": [0], "dispatcher": [0], "verifier": [1 % cores]}
+    cluster = Cluster(services=("verifier", "drafter", "dispatcher"), ephemeral=True, pin=pin,
+                      extra={"verifier": ["--threads", "1"],
+                             "drafter": ["--threads", "1", "--drafter", drafter],
+                             "dispatcher": ["--spec-bo", "true" if bo else "false",
+                                            "--spec-proactive-depth", str(proactive_depth)]})
+    link = quota = None
+    note = "loopback (no WAN emulation)"
+    try:
+        cluster.start("verifier")
+        if scenario != "none":
+            port = int(cluster.endpoint("verifier").rsplit(":", 1)[1])
+            link = Link(LINK_OF.get(scenario, scenario), port)
+            note = f"{scenario}: {link.note}"
+            cluster.extra["dispatcher"] += ["--verifier", f"tcp://127.0.0.1:{link.port}"]
+        proc = cluster.start("drafter")
+        if scenario in EDGE_QUOTA:
+            quota = CpuQuota(proc.pid, EDGE_QUOTA[scenario])
+            note += f"; edge drafter held to {EDGE_QUOTA[scenario]:.0%} of a core"
+        cluster.start("dispatcher")
+        cluster.wait_ready(timeout=240)
+        with Client(cluster.endpoint("dispatcher"), timeout_s=600) as c:
+            yield c, link, note
+    finally:
+        cluster.stop_all()
+        if quota is not None:
+            quota.close()
+        if link is not None:
+            link.close()
+
+
+def run_request(c, p: str, ids: list[int], n: int, **extra) -> tuple[object, dict]:
+    kw = {"mode": "cloud-only"} if p == "cloud-only" else {"mode": "spec", "policy": p}
+    r = c.complete(ids, max_tokens=n, stop_at_eos=False, **kw, **extra)
+    return r, r.stats
+
+
+RUN_STATS = ("acceptance_rate", "mean_draft_length", "cloud_forwards_per_token", "rounds",
+             "proactive_kept", "proactive_discarded", "early_rejects", "thresholds", "window",
+             "dp_plan", "alpha_s", "beta_s", "gamma_s", "oracle_reference_s", "batches")
+
+
+def policy_rows(runs: dict[str, list[dict]], **fields) -> list[dict]:
+    """One result row per policy (issue #5's field names), Welch's t against pipesd."""
+    rows = []
+    ref = [x["tpt_s"] * 1000 for x in runs.get("pipesd", [])]
+    for p, rs in runs.items():
+        if not rs:
+            continue
+        ms = [x["tpt_s"] * 1000 for x in rs]
+        tpt = summary(ms)
+
+        def mean(key):
+            v = [x[key] for x in rs if x.get(key) is not None]
+            return statistics.fmean(v) if v else None
+        rows.append({**fields, "policy": p, "tpt_ms": tpt["median"], "tpt_ms_spread": tpt["iqr"],
+                     "tpt_ms_min": tpt["min"], "tpt_ms_max": tpt["max"],
+                     "welch_t_vs_pipesd": welch_t(ms, ref) if p != "pipesd" and ref else None,
+                     "acceptance_rate": mean("acceptance_rate"),
+                     "mean_draft_length": mean("mean_draft_length"),
+                     "cloud_forwards_per_token": mean("cloud_forwards_per_token")
+                     if p != "cloud-only" else 1.0,
+                     "proactive_kept": sum(x.get("proactive_kept") or 0 for x in rs),
+                     "proactive_discarded": sum(x.get("proactive_discarded") or 0 for x in rs),
+                     "early_rejects": sum(x.get("early_rejects") or 0 for x in rs),
+                     "identical_to_reference": all(x["identical"] for x in rs),
+                     "identical_runs": f"{sum(x['identical'] for x in rs)}/{len(rs)}",
+                     "runs": rs})
+    base = next((r["tpt_ms"] for r in rows if r["policy"] == "cloud-only"), None)
+    for r in rows:
+        r["speedup_vs_cloud_only"] = base / r["tpt_ms"] if base and r["tpt_ms"] else None
+    return rows
+
+
+COLUMNS = [("policy", "policy"), ("tpt_ms", "TPT median ms"), ("tpt_ms_spread", "IQR"),
+           ("tpt_ms_min", "min"), ("tpt_ms_max", "max"), ("welch_t_vs_pipesd", "t vs pipesd"),
+           ("speedup_vs_cloud_only", "vs cloud-only"), ("acceptance_rate", "acceptance"),
+           ("mean_draft_length", "draft len"), ("cloud_forwards_per_token", "cloud fwd/token"),
+           ("proactive_kept", "proactive kept"), ("proactive_discarded", "discarded"),
+           ("early_rejects", "early rejects"), ("identical_runs", "identical to ref")]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="bench_spec", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="2 prompts, 1 repeat, 24 tokens (< 3 min)")
     ap.add_argument("--json", help="write results here")
-    ap.add_argument("--scenario", default="s1", help="WAN scenario of common/wan.py, or none")
+    ap.add_argument("--scenario", default="s1", help="s1 | s2 | s3 | s4 | lan | none (loopback)")
     ap.add_argument("--drafter", default="bundled", help="bundled (Q4_0) | bundled-q4_1 | GGUF path")
     ap.add_argument("--max-tokens", type=int, default=0, help="tokens per request (default 48; quick 24)")
     ap.add_argument("--repeats", type=int, default=0, help="runs per prompt and policy (default 2; quick 1)")
     ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--uplink", default="", help="uplink Mbit/s to sweep, e.g. 10,20,40,80")
     ap.add_argument("--no-bo", action="store_true", help="keep R1/R2 fixed (no BO autotuner)")
     ap.add_argument("--proactive-depth", type=int, default=1,
                     help="proactive rounds in flight behind the active one (PipeSD: 1)")
@@ -97,125 +249,68 @@ def main(argv=None) -> int:
     repeats = args.repeats or (1 if args.quick else 2)
     kinds = ["plain", "code"] if args.quick else ["plain", "chat", "code"]
     policies = args.policies.split(",")
+    unknown = sorted(set(policies) - set(POLICIES))
+    if unknown:
+        ap.error(f"unknown policies {unknown}; known: {POLICIES}")
+    uplinks = [float(x) for x in args.uplink.split(",") if x] or [None]
+    if uplinks != [None] and args.scenario == "none":
+        ap.error("--uplink needs an emulated link (--scenario s1, s2, s3 or lan)")
     bo_warmup = args.bo_warmup if args.bo_warmup >= 0 else (0 if args.quick or args.no_bo else 8)
     t_start = time.monotonic()
-
-    from transformers import AutoTokenizer
-
-    from common import models
-    from tandem import Client
-    tok = AutoTokenizer.from_pretrained(str(models.resolve_target("bundled")))
-    prompts = {}
-    for k in kinds:
-        if k == "chat":
-            ids = tok.apply_chat_template([{"role": "user", "content": PROMPTS[k]}],
-                                          add_generation_prompt=True, tokenize=True,
-                                          return_dict=False)
-            prompts[k] = list(ids["input_ids"] if isinstance(ids, dict) else ids)
-        else:
-            prompts[k] = tok.encode(PROMPTS[k])
-
-    cores = 2
-    pin = {"drafter": [0], "dispatcher": [0], "verifier": [1 % cores]}
-    cluster = Cluster(services=("verifier", "drafter", "dispatcher"), ephemeral=True, pin=pin,
-                      extra={"verifier": ["--threads", "1"],
-                             "drafter": ["--threads", "1", "--drafter", args.drafter],
-                             "dispatcher": ["--spec-bo", "false" if args.no_bo else "true",
-                                            "--spec-proactive-depth", str(args.proactive_depth)]})
-    link = None
-    note = "loopback (no WAN emulation)"
-    try:
-        cluster.start("verifier")
-        if args.scenario != "none":
-            port = int(cluster.endpoint("verifier").rsplit(":", 1)[1])
-            link = Link(args.scenario, port)
-            note = f"{args.scenario}: {link.note}"
-            cluster.extra["dispatcher"] += ["--verifier", f"tcp://127.0.0.1:{link.port}"]
-        cluster.start("drafter")
-        cluster.start("dispatcher")
+    prompts = encode_prompts(kinds)
+    runs: dict[tuple, list[dict]] = {(u, p): [] for u in uplinks for p in policies}
+    with spec_cluster(args.scenario, args.drafter, bo=not args.no_bo,
+                      proactive_depth=args.proactive_depth) as (c, link, note):
         print(f"# bench_spec: {len(policies)} policies x {len(prompts)} prompts x {repeats} "
               f"repeats, {n} tokens, drafter {args.drafter}, link {note}, BO "
-              f"{'off' if args.no_bo else 'on'}, proactive depth {args.proactive_depth}", flush=True)
+              f"{'off' if args.no_bo else 'on'}, proactive depth {args.proactive_depth}"
+              + (f", uplink sweep {uplinks} Mbit/s" if uplinks != [None] else ""), flush=True)
         print("# pinning: drafter+dispatcher on core 0, verifier on core 1, 1 thread each",
               flush=True)
         ref = reference_outputs(prompts, n)
-        cluster.wait_ready(timeout=240)
-        runs: dict[str, list[dict]] = {p: [] for p in policies}
-        with Client(cluster.endpoint("dispatcher"), timeout_s=600) as c:
-            for p in policies:   # warm-up: first-call costs (oneDNN packing, imports) left out
-                kw = {"mode": "cloud-only"} if p == "cloud-only" else {"mode": "spec", "policy": p}
-                c.complete(prompts[kinds[0]], max_tokens=4, stop_at_eos=False, **kw)
+        for p in policies:   # warm-up: first-call costs (oneDNN packing, imports) left out
+            run_request(c, p, prompts[kinds[0]], 4)
+        for u in uplinks:
+            if u is not None:
+                link.set_uplink(u)
+                print(f"# uplink {u:g} Mbit/s", flush=True)
             for i in range(bo_warmup):   # live traffic for the BO autotuner, not measured
                 for p in ("pipesd", "pipesd-stream"):
                     if p in policies:
-                        c.complete(list(prompts.values())[i % len(prompts)], mode="spec",
-                                   policy=p, max_tokens=n, stop_at_eos=False)
+                        run_request(c, p, list(prompts.values())[i % len(prompts)], n)
             if bo_warmup:
                 print(f"# BO warm-up: {bo_warmup} unmeasured requests per pipesd policy", flush=True)
             for rep in range(repeats):
                 for k, ids in prompts.items():
                     order = policies if rep % 2 == 0 else policies[::-1]
                     for p in order:
-                        kw = {"mode": "cloud-only"} if p == "cloud-only" else \
-                            {"mode": "spec", "policy": p}
-                        r = c.complete(ids, max_tokens=n, stop_at_eos=False, **kw)
-                        st = r.stats
-                        runs[p].append({"prompt": k, "repeat": rep, "tpt_s": st["tpt_s"],
-                                        "identical": r.token_ids == ref[k], **{
-                                            key: st.get(key) for key in (
-                                                "acceptance_rate", "mean_draft_length",
-                                                "cloud_forwards_per_token", "rounds",
-                                                "proactive_kept", "proactive_discarded",
-                                                "early_rejects", "thresholds", "window",
-                                                "dp_plan", "alpha_s", "beta_s", "gamma_s",
-                                                "oracle_reference_s", "batches")}})
+                        r, st = run_request(c, p, ids, n)
+                        runs[u, p].append({"prompt": k, "repeat": rep, "tpt_s": st["tpt_s"],
+                                           "identical": r.token_ids == ref[k],
+                                           **{key: st.get(key) for key in RUN_STATS}})
                         print(f"  {p:14s} {k:6s} rep {rep}: TPT {st['tpt_s'] * 1000:7.1f} ms"
                               f"  identical={r.token_ids == ref[k]}", flush=True)
-    finally:
-        cluster.stop_all()
-        if link is not None:
-            link.close()
 
     rows = []
-    for p, rs in runs.items():
-        if not rs:
-            continue
-        tpt = summary([x["tpt_s"] * 1000 for x in rs])
-
-        def mean(key):
-            v = [x[key] for x in rs if x.get(key) is not None]
-            return statistics.fmean(v) if v else None
-        rows.append({"policy": p, "tpt_ms": tpt["median"], "iqr_ms": tpt["iqr"],
-                     "min_ms": tpt["min"], "max_ms": tpt["max"],
-                     "accept": mean("acceptance_rate"), "draft_len": mean("mean_draft_length"),
-                     "fwd_per_tok": mean("cloud_forwards_per_token") if p != "cloud-only" else 1.0,
-                     "kept": sum(x.get("proactive_kept") or 0 for x in rs),
-                     "discarded": sum(x.get("proactive_discarded") or 0 for x in rs),
-                     "early": sum(x.get("early_rejects") or 0 for x in rs),
-                     "identical": f"{sum(x['identical'] for x in rs)}/{len(rs)}",
-                     "runs": rs})
-    base = next((r["tpt_ms"] for r in rows if r["policy"] == "cloud-only"), None)
-    for r in rows:
-        r["speedup"] = base / r["tpt_ms"] if base and r["tpt_ms"] else None
-    print()
-    print(f"# TPT = wall time / tokens; link {note}")
-    print(table(rows, [("policy", "policy"), ("tpt_ms", "TPT median ms"), ("iqr_ms", "IQR"),
-                       ("min_ms", "min"), ("max_ms", "max"), ("speedup", "vs cloud-only"),
-                       ("accept", "acceptance"), ("draft_len", "draft len"),
-                       ("fwd_per_tok", "cloud fwd/token"), ("kept", "proactive kept"),
-                       ("discarded", "discarded"), ("early", "early rejects"),
-                       ("identical", "identical to ref")]))
-    for p in ("pipesd", "pipesd-stream"):
-        if runs.get(p):
-            last = runs[p][-1]
-            print(f"# {p} last request: thresholds {last['thresholds']}, N̂={last['window']}, "
-                  f"DP plan {last['dp_plan']} for α={_ms(last['alpha_s'])} β={_ms(last['beta_s'])} "
-                  f"γ={_ms(last['gamma_s'])}")
+    for u in uplinks:
+        part = policy_rows({p: runs[u, p] for p in policies},
+                           **({} if u is None else {"uplink_mbit": u}))
+        rows += part
+        print()
+        print(f"# TPT = wall time / tokens; link {note}"
+              + ("" if u is None else f"; uplink {u:g} Mbit/s"))
+        print(table(part, COLUMNS))
+        for p in ("pipesd", "pipesd-stream"):
+            if runs.get((u, p)):
+                last = runs[u, p][-1]
+                print(f"# {p} last request: thresholds {last['thresholds']}, N̂={last['window']}, "
+                      f"DP plan {last['dp_plan']} for α={_ms(last['alpha_s'])} "
+                      f"β={_ms(last['beta_s'])} γ={_ms(last['gamma_s'])}")
     print(f"# wall time {time.monotonic() - t_start:.0f} s")
-    write_json(args.json, "spec", args.scenario,
-               [{k: v for k, v in r.items()} for r in rows],
+    write_json(args.json, "spec", args.scenario, rows,
                link=note, drafter=args.drafter, max_tokens=n, repeats=repeats, prompts=kinds,
-               bo=not args.no_bo, bo_warmup=bo_warmup, proactive_depth=args.proactive_depth)
+               bo=not args.no_bo, bo_warmup=bo_warmup, proactive_depth=args.proactive_depth,
+               uplinks_mbit=[u for u in uplinks if u is not None])
     return 0 if all(x["identical"] for rs in runs.values() for x in rs) else 1
 
 

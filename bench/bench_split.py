@@ -493,6 +493,25 @@ def goals(sections: dict) -> dict:
     return g
 
 
+def standard_fields(row: dict) -> dict:
+    """The results' common names (issue #5): scheduler, concurrency, throughput_tok_s,
+    mean_latency_s, identical_to_reference, next to each section's own fields."""
+    out = dict(row)
+    if "variant" in row:
+        out.setdefault("scheduler", row["variant"])
+    for key in ("load", "fleet", "context"):
+        if key in row:
+            out.setdefault("concurrency", row[key])
+            break
+    if "throughput" in row:
+        out.setdefault("throughput_tok_s", row["throughput"])
+    if "latency" in row:
+        out.setdefault("mean_latency_s", row["latency"])
+    if "mismatches" in row:
+        out.setdefault("identical_to_reference", row["mismatches"] == 0)
+    return out
+
+
 def main(argv=None) -> int:
     a = parse(sys.argv[1:] if argv is None else argv)
     out = asyncio.run(run(a))
@@ -502,10 +521,14 @@ def main(argv=None) -> int:
             print(f"  {k:34s} {v:+8.1f} %   goal {goal:6s}  Welch t {t:.1f}")
     if "wall_s" in out:
         print(f"\ntotal {out['wall_s']:.0f} s")
-    results = [{"section": k, "rows": v} for k, v in out["sections"].items()]
+    results = [{"section": k, "rows": [standard_fields(r) for r in v]}
+               for k, v in out["sections"].items()]
     write_json(a.json, "split", "quick" if a.quick else "full", results,
                **{k: v for k, v in out.items() if k != "sections"})
-    return 0
+    differ = [r for part in results for r in part["rows"] if r.get("mismatches")]
+    if differ:
+        print(f"\n{len(differ)} conditions produced tokens that differ from the reference")
+    return 1 if differ else 0
 
 
 if __name__ == "__main__":

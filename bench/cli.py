@@ -10,6 +10,7 @@ from pathlib import Path
 BENCHES = {
     "spec": ("bench.bench_spec", "speculative policies side by side on an emulated link"),
     "split": ("bench.bench_split", "split-mode schedulers under Poisson arrivals and fleets"),
+    "tuner": ("bench.bench_tuner", "BO autotuner against grid and random search, live traffic"),
     "overhead": ("bench.bench_overhead", "transport cost per hop, end-to-end vs runner, RSS"),
     "runner": ("bench.bench_runner", "LayerRangeRunner vs transformers, ragged batching, verify k"),
 }

@@ -13,6 +13,21 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 def _spec(doc: dict, ax) -> None:
     rows = [r for r in doc["results"] if "tpt_ms" in r and r.get("policy")]
+    if any(r.get("uplink_mbit") for r in rows):   # a bandwidth sweep: TPT against uplink
+        by_policy = defaultdict(list)
+        for r in rows:
+            by_policy[r["policy"]].append((r["uplink_mbit"], r["tpt_ms"]))
+        for policy, pts in by_policy.items():
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=policy)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted({r["uplink_mbit"] for r in rows}),
+                      [f"{u:g}" for u in sorted({r["uplink_mbit"] for r in rows})])
+        ax.set_xlabel("uplink (Mbit/s)")
+        ax.set_ylabel("time per accepted token (ms, median)")
+        ax.set_title(f"spec — uplink sweep, scenario {doc.get('scenario')}")
+        ax.legend(fontsize=8)
+        return
     labels = [r["policy"] + (f"\n{r['drafter']}" if r.get("drafter") else "") for r in rows]
     vals = [r["tpt_ms"] for r in rows]
     err = [r.get("tpt_ms_spread", 0) or 0 for r in rows]
@@ -61,9 +76,24 @@ def _overhead(doc: dict, ax) -> None:
     ax.set_title("transport per hop (loopback)")
 
 
+def _tuner(doc: dict, ax) -> None:
+    """Best TPT found so far against evaluations spent, one line per search (PipeSD's figure)."""
+    for r in doc["results"]:
+        trace = r.get("trace_ms") or []
+        if trace:
+            best = [min(trace[:i + 1]) for i in range(len(trace))]
+            ax.plot(range(1, len(best) + 1), best, marker=".",
+                    label=f"{r['search']} (re-measured {r['tpt_ms']:.1f} ms)")
+    ax.set_xlabel("evaluations")
+    ax.set_ylabel("best TPT so far (ms)")
+    ax.set_title(f"R1/R2 search — scenario {doc.get('scenario')}")
+    ax.legend(fontsize=8)
+
+
 def plot(doc: dict, path: str | Path) -> Path:
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    {"spec": _spec, "split": _split, "overhead": _overhead}.get(doc["bench"], _overhead)(doc, ax)
+    {"spec": _spec, "split": _split, "overhead": _overhead,
+     "tuner": _tuner}.get(doc["bench"], _overhead)(doc, ax)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

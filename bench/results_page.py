@@ -42,15 +42,18 @@ def spec_section(doc: dict, name: str) -> str:
     by = {r["policy"]: r for r in rows}
     lines = [f"### Speculative mode — `{name}` (scenario `{doc.get('scenario')}`, drafter "
              f"`{doc.get('drafter', 'bundled')}`)", ""]
-    cols = ["policy", "TPT ms (median)", "spread ms (IQR)", "acceptance", "mean draft len",
-            "cloud fwd / token", "identical to reference"]
-    lines.append(_md_table([[r["policy"], r.get("tpt_ms"), r.get("tpt_ms_spread", r.get("iqr_ms")),
-                             r.get("acceptance_rate", r.get("accept")),
-                             r.get("mean_draft_length", r.get("draft_len")),
-                             r.get("cloud_forwards_per_token", r.get("fwd_per_tok")),
-                             r.get("identical_to_reference", r.get("identical"))] for r in rows],
-                           cols))
-    if "vanilla" in by and by["vanilla"].get("tpt_ms"):
+    sweep = any(r.get("uplink_mbit") for r in rows)
+    cols = (["uplink Mbit/s"] if sweep else []) + [
+        "policy", "TPT ms (median)", "spread ms (IQR)", "Welch t vs pipesd", "acceptance",
+        "mean draft len", "cloud fwd / token", "identical to reference"]
+    lines.append(_md_table([([r.get("uplink_mbit")] if sweep else []) + [
+        r["policy"], r.get("tpt_ms"), r.get("tpt_ms_spread", r.get("iqr_ms")),
+        r.get("welch_t_vs_pipesd"), r.get("acceptance_rate", r.get("accept")),
+        r.get("mean_draft_length", r.get("draft_len")),
+        r.get("cloud_forwards_per_token", r.get("fwd_per_tok")),
+        r.get("identical_runs", r.get("identical_to_reference", r.get("identical")))]
+        for r in rows], cols))
+    if not sweep and "vanilla" in by and by["vanilla"].get("tpt_ms"):
         base = by["vanilla"]["tpt_ms"]
         lines += ["", "Against PipeSD's published figures (S1, HumanEval), as TPT relative to "
                       "vanilla (lower is better):", ""]
@@ -80,6 +83,21 @@ def split_section(doc: dict, name: str) -> str:
     return "\n".join(lines)
 
 
+def tuner_section(doc: dict, name: str) -> str:
+    lines = [f"### Autotuner against grid and random search — `{name}` (scenario "
+             f"`{doc.get('scenario')}`, {doc.get('budget')} evaluations each)", "",
+             "TPT re-measured at each search's chosen (R1, R2), interleaved, "
+             f"{doc.get('repeats')} times over the prompts; `default` is the untuned (0.90, 0.94).",
+             ""]
+    lines.append(_md_table([[r["search"], r.get("best_r1"), r.get("best_r2"),
+                             r.get("best_tpt_ms_in_search"), r.get("tpt_ms"),
+                             r.get("tpt_ms_spread"), r.get("vs_grid"), r.get("welch_t_vs_grid"),
+                             r.get("identical_to_reference")] for r in doc["results"]],
+                           ["search", "R1", "R2", "best in search ms", "re-measured TPT ms",
+                            "spread ms (IQR)", "vs grid", "Welch t vs grid", "identical"]))
+    return "\n".join(lines)
+
+
 def generic_section(doc: dict, name: str) -> str:
     return (f"### {doc['bench']} — `{name}`\n\n```json\n"
             + json.dumps(doc["results"], indent=1, default=str)[:6000] + "\n```")
@@ -104,9 +122,10 @@ def main(argv=None) -> int:
                   f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores, {m.get('date', '?')}", ""]
         if doc.get("note"):
             parts += [f"Note: {doc['note']}", ""]
-        section = {"spec": spec_section, "split": split_section}.get(doc["bench"], generic_section)
+        section = {"spec": spec_section, "split": split_section,
+                   "tuner": tuner_section}.get(doc["bench"], generic_section)
         parts += [section(doc, f.stem), ""]
-        if doc["bench"] in ("spec", "split", "overhead"):
+        if doc["bench"] in ("spec", "split", "overhead", "tuner"):
             png = plot(doc, img / f"{f.stem}.png")
             parts += [f"![{f.stem}](img/{png.name})", ""]
     PAGE.write_text("\n".join(parts))

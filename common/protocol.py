@@ -134,6 +134,8 @@ class GenerateRequest(Msg, tag="generate"):
     stop_at_eos: bool = True
     deadline_s: float = 0.0              # wall-clock budget for the whole request; 0 = none
     allow_edge_only: bool = False        # spec mode: continue on the drafter alone if the cloud is gone
+    nav_thresholds: list[float] | None = None  # spec mode: fixed [R1, R2] for this request, the
+                                               # autotuner neither used nor fed (tuning benchmarks)
 
 
 class Cancel(Msg, tag="cancel"):

@@ -95,7 +95,8 @@ class AsyncClient:
                        top_p: float = 1.0, seed: int | None = None, policy: str = "",
                        cut: int = 0, chat: bool = False, deadline_s: float | None = None,
                        stop_at_eos: bool = True,
-                       allow_edge_only: bool = False) -> AsyncIterator[Chunk]:
+                       allow_edge_only: bool = False,
+                       nav_thresholds: tuple[float, float] | None = None) -> AsyncIterator[Chunk]:
         """Stream a generation. On normal end `self.last_result` holds the whole result."""
         if self._reader is None:
             self._reader = asyncio.get_running_loop().create_task(self._read())
@@ -109,7 +110,8 @@ class AsyncClient:
             policy=policy, cut=cut, max_tokens=max_tokens, stop_at_eos=stop_at_eos,
             sampling=protocol.Sampling(temperature=temperature, top_k=top_k, top_p=top_p,
                                        seed=seed),
-            deadline_s=deadline, allow_edge_only=allow_edge_only)
+            deadline_s=deadline, allow_edge_only=allow_edge_only,
+            nav_thresholds=None if nav_thresholds is None else [float(r) for r in nav_thresholds])
         result = Result()
         end = time.monotonic() + deadline + 5.0   # the dispatcher enforces the deadline; this
         finished = False                          # only guards against a dead dispatcher

@@ -318,6 +318,22 @@ def test_concurrent_sessions_share_verifier_forwards_and_stay_exact(clusters, to
         assert_same_tokens(ids, r.token_ids, reference(ids, MAX_TOKENS), f"concurrent/{policy}/{kind}")
 
 
+def test_fixed_nav_thresholds_per_request(clients, tokenizer, reference, assert_same_tokens):
+    """nav_thresholds fixes (R1, R2) for one request (the tuner benchmark's objective): the round
+    machine uses them, the output stays the target's, and a bad pair is refused."""
+    from tandem import InvalidRequest
+    ids = tokenizer.encode(PROMPTS["code"])
+    for r1, r2 in ((0.05, 0.5), (0.99, 0.99)):
+        r = clients["q4_0"].complete(ids, mode="spec", policy="pipesd", max_tokens=MAX_TOKENS,
+                                     stop_at_eos=False, nav_thresholds=(r1, r2))
+        assert_same_tokens(ids, r.token_ids, reference(ids, MAX_TOKENS), f"thresholds {r1},{r2}")
+        assert r.stats["thresholds"]["r1"] == pytest.approx(r1)
+        assert r.stats["thresholds"]["r2"] == pytest.approx(r2)
+    for bad in ((0.0, 0.5), (0.5, 1.5)):
+        with pytest.raises(InvalidRequest, match="nav_thresholds"):
+            clients["q4_0"].complete(ids, mode="spec", max_tokens=4, nav_thresholds=bad)
+
+
 def test_seeded_sampling_is_reproducible(clients, tokenizer):
     ids = tokenizer.encode(PROMPTS["plain"])
     kw = dict(mode="spec", max_tokens=MAX_TOKENS, temperature=0.8, top_k=20, stop_at_eos=False)

@@ -201,6 +201,9 @@ class Dispatcher(Service):
         if s.temperature < 0 or not 0 < s.top_p <= 1 or s.top_k < 0:
             raise ProtocolError(protocol.BAD_FIELD, "sampling: temperature >= 0, 0 < top_p <= 1, "
                                                     "top_k >= 0")
+        if msg.nav_thresholds is not None and (
+                len(msg.nav_thresholds) != 2 or not all(0 < r <= 1 for r in msg.nav_thresholds)):
+            raise ProtocolError(protocol.BAD_FIELD, "nav_thresholds must be [R1, R2], each in (0, 1]")
         if len(self.requests) >= self.cfg.max_sessions:
             raise ProtocolError(protocol.BUSY, f"{len(self.requests)} requests in flight")
         policy = (msg.policy or self.cfg.default_policy) if mode == "spec" else mode

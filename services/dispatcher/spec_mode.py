@@ -175,7 +175,9 @@ class SpecRun:
         trig = make_trigger(self.policy.trigger, NavConfig(r1=c.spec_r1, r2=c.spec_r2,
                                                            max_length=c.spec_max_draft,
                                                            fixed_length=c.spec_fixed_length))
-        if self.policy.bo and c.spec_bo:
+        if self.req.msg.nav_thresholds is not None:
+            trig.set_thresholds(*self.req.msg.nav_thresholds)
+        elif self.policy.bo and c.spec_bo:
             r1, r2 = self.edge.tuner(self.policy.name).current()
             trig.set_thresholds(r1, r2)
         return trig
@@ -388,7 +390,7 @@ class SpecRun:
         """Feed the autotuner: wall time since the last commit, tokens this commit emitted."""
         now = time.monotonic()
         elapsed, self.last_commit = now - self.last_commit, now
-        if not (self.policy.bo and self.cfg.spec_bo):
+        if not (self.policy.bo and self.cfg.spec_bo) or self.req.msg.nav_thresholds is not None:
             return
         tuner = self.edge.tuner(self.policy.name)
         trigger = self.sm.trigger
