@@ -29,6 +29,7 @@ class ServiceConfig:
     threads: int = 0                  # torch/llama threads; 0 = library default
     heartbeat_s: float = 2.0          # interval between heartbeats to peers
     peer_timeout_s: float = 6.0       # a peer silent this long is marked down
+    peer_idle_timeout_s: float = 30.0  # sessions of a client (ZMQ identity) silent this long, heartbeats included, are dropped; 0 = never
     max_sessions: int = 256           # sessions held at once; more are answered `busy`
     max_header_bytes: int = 64 * 1024        # wire limit: header frame
     max_frame_bytes: int = 64 * 1024 * 1024  # wire limit: one tensor frame

@@ -94,6 +94,12 @@ LINK_RTT = Histogram("tandem_link_rtt_seconds", "Heartbeat round trip to a peer 
 PEER_UP = Gauge("tandem_peer_up", "1 when the peer answered its last heartbeat",
                 ["service", "peer"])
 SESSIONS = Gauge("tandem_sessions", "Sessions held by a service (KV caches)", ["service"])
+ORPHANS = Counter("tandem_orphaned_sessions_dropped_total",
+                  "Sessions dropped because the client that opened them went silent "
+                  "(no message, not even a heartbeat, for peer_idle_timeout_s)", ["service"])
+DEGRADED_TOKENS = Counter("tandem_degraded_tokens_total",
+                          "Tokens streamed by the edge drafter alone while the cloud was "
+                          "unreachable (spec mode with allow_edge_only)", ["service", "mode"])
 KV_BYTES = Gauge("tandem_kv_cache_bytes", "Bytes held in KV caches", ["service"])
 RSS = Gauge("tandem_process_resident_memory_bytes", "Peak resident set size of the process",
             ["service"])

@@ -75,6 +75,9 @@ class Service:
         self.auth = None              # ZAP authenticator when the socket is a CURVE server
         self._tasks: set[asyncio.Task] = set()
         self._compute_lock = threading.Lock()
+        self._heard: dict[bytes, float] = {}   # client identity -> last message (pings too)
+        self._owners: dict[str, bytes] = {}    # session id -> identity that last spoke for it
+        self._reaping = cfg.peer_idle_timeout_s > 0
         self.route(protocol.Ping, self._on_ping)
 
     # --- for subclasses -----------------------------------------------------------------------
@@ -86,6 +89,14 @@ class Service:
 
     async def teardown(self) -> None:
         """Release resources on shutdown."""
+
+    def open_sessions(self):
+        """Ids of the sessions this service holds (for the orphan reaper); none by default."""
+        return ()
+
+    async def drop_session(self, sid: str) -> None:
+        """Free a session whose client went away (the orphan reaper); subclasses that hold
+        sessions override this and `open_sessions`."""
 
     def peer(self, name: str, endpoint: str) -> "Peer":
         p = Peer(self.ctx, endpoint, name=name, owner=self.name,
@@ -150,6 +161,8 @@ class Service:
                                                   message=e.message))
             return
         metrics.MESSAGES.labels(self.name, msg.__struct_config__.tag).inc()
+        if self._reaping and msg.sid and not isinstance(msg, (protocol.Ping, protocol.Close)):
+            self._owners[msg.sid] = ident   # replies, and the session's life, follow its client
         handler = self.handlers.get(type(msg))
         if handler is None:
             await self.error(ident, msg, protocol.WRONG_SERVICE,
@@ -169,7 +182,40 @@ class Service:
             frames = await self.sock.recv_multipart(copy=False)
             if len(frames) < 2:
                 continue  # a routing id alone: nothing to answer
-            await self._dispatch(frames[0].bytes, frames[1:])
+            ident = frames[0].bytes
+            if self._reaping:
+                self._heard[ident] = time.monotonic()
+            await self._dispatch(ident, frames[1:])
+
+    async def _reap_orphans(self) -> None:
+        """Drop the sessions of clients that went silent (a dispatcher killed with SIGKILL never
+        sends Close): a client's Peer heartbeats every heartbeat_s, so a silence of
+        peer_idle_timeout_s means it is gone, and its sessions would otherwise hold KV caches
+        (and a cloud-only session would generate to max_tokens) for nobody. A client that
+        reconnected under a new identity and spoke for a session since owns it again, so only
+        sessions nobody has claimed are dropped; a dispatcher that comes back later replays
+        them under fresh session ids (services/dispatcher/recovery.py)."""
+        timeout = self.cfg.peer_idle_timeout_s
+        while True:
+            await asyncio.sleep(min(1.0, max(0.05, timeout / 4)))
+            now = time.monotonic()
+            held = set(self.open_sessions())
+            for sid in [s for s in self._owners if s not in held]:
+                del self._owners[sid]            # closed or finished: nothing to watch
+            silent = {i for i, t in self._heard.items() if now - t > timeout}
+            if not silent:
+                continue
+            for i in silent:
+                del self._heard[i]
+            orphans = [sid for sid, i in self._owners.items() if i in silent]
+            for sid in orphans:
+                del self._owners[sid]
+                await self.drop_session(sid)
+            if orphans:
+                metrics.ORPHANS.labels(self.name).inc(len(orphans))
+                self.log.warning("dropped %d session(s) of %d client(s) silent for over %.1f s: "
+                                 "%s", len(orphans), len(silent), timeout,
+                                 ", ".join(sorted(orphans)[:8]))
 
     async def serve(self) -> None:
         self.stopping = asyncio.Event()
@@ -199,6 +245,8 @@ class Service:
             await self.setup()
             for p in self.peers:
                 p.start()
+            if self._reaping:
+                self.spawn(self._reap_orphans())
             self.ready = True
             metrics.UP.labels(self.name).set(1)
             self.log.info("%s ready", self.name)

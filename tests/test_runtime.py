@@ -135,3 +135,58 @@ def test_config_precedence(tmp_path):
         load(ServiceConfig, "verifier", ["--config", str(yml)], env={})
     with pytest.raises(SystemExit):
         load(ServiceConfig, "verifier", ["--threads", "many"], env={})
+
+
+class Holder(Service):
+    """Holds a "session" per DraftOpen, like the model services do, for the orphan reaper."""
+    name = "holder"
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.sessions: set[str] = set()
+        self.dropped: list[str] = []
+        self.route(p.DraftOpen, self.on_open)
+
+    async def on_open(self, ident, msg, frames):
+        self.sessions.add(msg.sid)
+        await self.send(ident, p.Ack(sid=msg.sid, rid=msg.rid))
+
+    def open_sessions(self):
+        return list(self.sessions)
+
+    async def drop_session(self, sid):
+        self.sessions.discard(sid)
+        self.dropped.append(sid)
+
+
+def test_sessions_of_a_silent_client_are_dropped():
+    """A client that stops talking (no heartbeat either: killed) loses its sessions after
+    peer_idle_timeout_s; a client that keeps heartbeating (a Peer) keeps its own."""
+    async def main():
+        svc = Holder(cfg(peer_idle_timeout_s=0.6))
+        task = asyncio.get_running_loop().create_task(svc.serve())
+        while not svc.ready:
+            await asyncio.sleep(0.01)
+        ctx = zmq.asyncio.Context.instance()
+        raw = ctx.socket(zmq.DEALER)
+        raw.setsockopt(zmq.LINGER, 0)
+        raw.connect(svc.bound_endpoint)
+        from common.runtime import Peer
+        live = Peer(ctx, svc.bound_endpoint, name="holder", owner="test", heartbeat_s=0.1,
+                    timeout_s=2.0)
+        try:
+            await raw.send_multipart(p.encode(p.DraftOpen(sid="gone", token_ids=[1], rid=1)))
+            await asyncio.wait_for(raw.recv_multipart(), 5)
+            await live.request(p.DraftOpen(sid="kept", token_ids=[1]))
+            assert svc.sessions == {"gone", "kept"}
+            await asyncio.sleep(1.8)        # 3 timeouts: the silent client's session goes
+            assert svc.dropped == ["gone"] and svc.sessions == {"kept"}
+            text = await asyncio.to_thread(lambda: urllib.request.urlopen(
+                f"http://127.0.0.1:{svc.http_port}/metrics", timeout=5).read().decode())
+            assert 'tandem_orphaned_sessions_dropped_total{service="holder"} 1.0' in text
+        finally:
+            live.close()
+            raw.close(0)
+            svc.stop()
+            await asyncio.wait_for(task, 5)
+    asyncio.run(main())

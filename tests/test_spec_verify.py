@@ -301,3 +301,45 @@ def test_sampling_session_is_reproducible_and_checks_q():
         s.on_verify(protocol.VerifyRequest(sid="s", round=1, end=8))
         outs.append([(r.accepted, r.token) for r in results(run_engine(s) + s.resolve())])
     assert outs[0] == outs[1] and len(outs[0]) == 1
+
+
+def test_repeated_open_of_another_session_kind_is_refused():
+    """A repeated open (same sid and seq) is an idempotent retry only for the same kind of
+    session: a SpecOpen over a cloud-only session (or the other way round) is `session_exists`,
+    never silently taken as a retry of the other kind."""
+    import asyncio
+
+    from common.launcher import free_port
+    from services.verifier.config import VerifierConfig
+    from services.verifier.service import CloudSession, Verifier
+
+    class Runner:
+        def new_kv(self):
+            return FakeKV()
+
+    async def main():
+        v = Verifier(VerifierConfig(bind=f"tcp://127.0.0.1:{free_port()}", http_port=0))
+        v.runner, v.vocab_size = Runner(), V
+        cloud = v.handlers[protocol.CloudGenerate]
+        spec = v.handlers[protocol.SpecOpen]
+        try:
+            await cloud(b"a", protocol.CloudGenerate(sid="x", seq=1, token_ids=[1, 2],
+                                                     max_tokens=4), [])
+            await cloud(b"b", protocol.CloudGenerate(sid="x", seq=1, token_ids=[1, 2],
+                                                     max_tokens=4), [])   # a retry: fine
+            assert isinstance(v.sessions["x"], CloudSession) and v.sessions["x"].ident == b"b"
+            with pytest.raises(ProtocolError) as e:
+                await spec(b"a", protocol.SpecOpen(sid="x", seq=1, token_ids=[1, 2]), [])
+            assert e.value.code == protocol.SESSION_EXISTS
+            await spec(b"a", protocol.SpecOpen(sid="y", seq=1, token_ids=[1, 2]), [])
+            await spec(b"c", protocol.SpecOpen(sid="y", seq=1, token_ids=[1, 2]), [])
+            assert isinstance(v.sessions["y"], SpecSession) and v.sessions["y"].ident == b"c"
+            with pytest.raises(ProtocolError) as e:
+                await cloud(b"a", protocol.CloudGenerate(sid="y", seq=1, token_ids=[1, 2],
+                                                         max_tokens=4), [])
+            assert e.value.code == protocol.SESSION_EXISTS
+            assert isinstance(v.sessions["x"], CloudSession)
+            assert isinstance(v.sessions["y"], SpecSession)
+        finally:
+            v.ctx.term()
+    asyncio.run(main())

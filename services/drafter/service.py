@@ -168,14 +168,20 @@ class Drafter(Service):
         if s.limit > end:
             self.wakeup.set()
 
-    async def on_close(self, ident: bytes, msg: protocol.Close, frames) -> None:
-        s = self.sessions.pop(msg.sid, None)
+    def open_sessions(self):
+        return list(self.sessions)
+
+    async def drop_session(self, sid: str) -> None:
+        s = self.sessions.pop(sid, None)
         if s is not None:
             s.closed = True
             self.order.remove(s.sid)
             if not s.busy:
-                self._free(s)
+                self._free(s)   # else the step in flight frees it when it ends
         metrics.SESSIONS.labels(self.name).set(len(self.sessions))
+
+    async def on_close(self, ident: bytes, msg: protocol.Close, frames) -> None:
+        await self.drop_session(msg.sid)
         await self.send(ident, protocol.Ack(sid=msg.sid, seq=msg.seq, rid=msg.rid))
 
     def _free(self, s: Session) -> None:

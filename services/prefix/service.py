@@ -162,11 +162,17 @@ class Prefix(Service):
         self.queue.append(Work(s, torch.tensor(ids, dtype=torch.long), s.kv.length(), ident, msg))
         self.wakeup.set()
 
-    async def on_close(self, ident: bytes, msg: protocol.Close, frames) -> None:
-        s = self.sessions.pop(msg.sid, None)
+    def open_sessions(self):
+        return list(self.sessions)
+
+    async def drop_session(self, sid: str) -> None:
+        s = self.sessions.pop(sid, None)
         if s is not None:
             s.closed = True
         metrics.SESSIONS.labels(self.name).set(len(self.sessions))
+
+    async def on_close(self, ident: bytes, msg: protocol.Close, frames) -> None:
+        await self.drop_session(msg.sid)
         await self.send(ident, protocol.Ack(sid=msg.sid, seq=msg.seq, rid=msg.rid))
 
     # --- the step loop --------------------------------------------------------------------------

@@ -168,13 +168,19 @@ class Suffix(Service):
         self.builder.add(Request(s.sid, s.cut, x.shape[0], now), now)
         self.wakeup.set()
 
-    async def on_close(self, ident: bytes, msg: protocol.Close, frames) -> None:
-        s = self.sessions.pop(msg.sid, None)
+    def open_sessions(self):
+        return list(self.sessions)
+
+    async def drop_session(self, sid: str) -> None:
+        s = self.sessions.pop(sid, None)
         if s is not None:
             s.closed = True
-            self.unqueue(msg.sid)
-            self.rr.drop(msg.sid)
+            self.unqueue(sid)
+            self.rr.drop(sid)
         metrics.SESSIONS.labels(self.name).set(len(self.sessions))
+
+    async def on_close(self, ident: bytes, msg: protocol.Close, frames) -> None:
+        await self.drop_session(msg.sid)
         await self.send(ident, protocol.Ack(sid=msg.sid, seq=msg.seq, rid=msg.rid))
 
     def unqueue(self, sid: str) -> None:

@@ -169,6 +169,12 @@ class Verifier(Service):
             raise ProtocolError(protocol.BAD_FIELD, "max_tokens must be >= 1")
         self.add(CloudSession(msg.sid, ident, msg.rid, msg.seq, self.runner.new_kv(), msg))
 
+    def open_sessions(self):
+        return list(self.sessions)
+
+    async def drop_session(self, sid: str) -> None:
+        self.drop(sid)
+
     async def on_close(self, ident: bytes, msg: protocol.Close, frames) -> None:
         self.drop(msg.sid)
         await self.send(ident, protocol.Ack(sid=msg.sid, seq=msg.seq, rid=msg.rid))
