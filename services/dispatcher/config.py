@@ -31,5 +31,6 @@ class DispatcherConfig(ServiceConfig):
     # --- reliability (services/dispatcher/recovery.py) and per-client limits (common/security.py) ---
     stall_s: float = 20.0                         # a session that hears nothing this long (time left) is replayed
     max_recoveries: int = 8                       # replays of one request before it fails
+    recovery_wait_s: float = 0.0                  # a session that lost its cloud replica waits this long for one to come back; 0 = until its deadline
     client_max_sessions: int = 0                  # requests one client may have in flight (busy beyond); 0 = no limit
     client_max_tokens: int = 0                    # prompt + max_tokens one client may have in flight; 0 = no limit

@@ -18,8 +18,14 @@ What triggers a replay (`reason`, a metrics label):
     stall     nothing arrived for `stall_s` while time was left (a lost final message, a
               request lost on the way up, a replica that restarted faster than the heartbeat)
     restarted the replica answered `unknown_session`: it restarted and forgot the session
+    resumed   (spec mode) a request that went on with the drafter alone while the cloud was
+              unreachable (allow_edge_only) found a verifier up again: verification resumes
+              from the tokens streamed so far, degraded ones included
 Anything else (`busy`, `too_large`, `bad_field`, `internal`, ...) is the request's answer and goes
-to the client. A request gives up after `max_recoveries` replays, or when its deadline passes.
+to the client. A request gives up after `max_recoveries` replays, or when its deadline passes: a
+replay waits for a replica until the deadline (`recovery_wait_s`, if set, caps the wait), so a
+partition that heals in time is survived with identical output and one that does not ends with
+`deadline`, never a hang.
 
 Replicas: a comma-separated endpoint list (`--verifier tcp://a:5551,tcp://b:5551`) makes one
 Peer per replica ("verifier", "verifier-1", ...). A session sticks to its replica while it is up;
@@ -122,17 +128,25 @@ class Recovery:
         return list(self.req.prompt_ids) + list(self.req.tokens)
 
     async def connect(self) -> Peer:
-        """A live replica (and every peer in `needs` up), or a final `unavailable` once
-        `peer_wait_s` (or the deadline) passes without one."""
+        """A live replica (and every peer in `needs` up). A new session waits `peer_wait_s` for
+        one, then fails `unavailable`; a session that lost its replica (a replay) waits and
+        retries until its deadline (`recovery_wait_s` caps that when set), so a partition that
+        heals in time costs only the wait, and one that does not ends in `deadline`."""
         d = self.req.d
         for p in self.needs:
             await d.need(p, self.req)
         if self.peer is not None and self.peer.up:
             return self.peer
-        wait = min(d.cfg.peer_wait_s, self.req.remaining())
+        left = self.req.remaining()
+        limit = d.cfg.peer_wait_s if self.attempt == 0 else (d.cfg.recovery_wait_s or left)
+        wait = min(limit, left)
         peer = await first_up(self.peers, wait)
         if peer is None:
             names = ", ".join(p.endpoint for p in self.peers)
+            if wait >= left:
+                raise PeerError(protocol.DEADLINE, f"deadline passed after {len(self.req.tokens)} "
+                                                   f"tokens, waiting {wait:.1f} s for a {self.role} "
+                                                   f"({names}) to come back")
             raise PeerError(protocol.UNAVAILABLE, f"no {self.role} reachable ({names}) "
                                                   f"within {wait:.1f} s")
         self.peer = peer

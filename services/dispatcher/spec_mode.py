@@ -24,9 +24,13 @@ Failures. Drafter gone (or a drafter error): what was drafted is verified, then 
 on with zero-draft rounds (the target's next token alone); the output stays exact. Verifier gone
 (heartbeats stop, `unknown_session`, or no result for stall_s while a NAV is out): the verifier
 session is replayed on a live replica from the committed tokens (services/dispatcher/recovery.py)
-and the drafts past them are verified again there; the output stays exact. If the request allows
+and the drafts past them are verified again there; the output stays exact. With no replica up
+(a partition), the replay waits and retries until the request's deadline: a link that heals in
+time gives the same output, one that does not ends with `deadline`. If the request allows
 edge-only and no replica is up at that moment, the drafter's tokens continue the stream marked
-degraded instead; if none comes up within peer_wait_s, the request fails with `unavailable`.
+degraded instead (Done.stats: degraded, degraded_tokens); when a verifier is up again, the
+session resumes verification from everything streamed so far, degraded tokens included
+(stats resumed_at), and the tokens after that are the target's again.
 """
 
 from __future__ import annotations
@@ -222,6 +226,8 @@ class SpecRun:
             except asyncio.TimeoutError:
                 src = None
             try:
+                if self.edge_only and self.drafter_alive and any(p.up for p in d.verifiers):
+                    await self.resume_verification()
                 if self._verifier_stalled():
                     raise recovery.Lost("stall", f"no verification result for "
                                                  f"{self.cfg.stall_s:.1f} s")
@@ -417,7 +423,8 @@ class SpecRun:
     # --- edge-only (degraded) ------------------------------------------------------------------
     async def go_edge_only(self) -> None:
         """The cloud is gone and the request allows it: the drafter's own tokens continue the
-        stream, marked degraded (no longer the target's output)."""
+        stream, marked degraded (no longer the target's output), until the deadline, the end of
+        the request, or a verifier coming back (`resume_verification`)."""
         log.warning("verifier unreachable: %s continues on the drafter alone (degraded)",
                     self.req.sid)
         self.edge_only = True
@@ -427,7 +434,7 @@ class SpecRun:
         tokens = [x.token for x in sm.drafts]
         self.next_degraded += len(tokens)
         if tokens:
-            await self.req.emit(tokens, degraded=True)
+            await self._emit_degraded(tokens)
         final = len(self.req.prompt_ids) + self.req.max_tokens
         await self.dch.send(protocol.DraftRequest(sid=self.req.sid, seq=sm.epoch, until=final))
 
@@ -436,7 +443,44 @@ class SpecRun:
         tokens = list(msg.token_ids[skip:]) if skip >= 0 else []
         if tokens:
             self.next_degraded += len(tokens)
-            await self.req.emit(tokens, degraded=True)
+            await self._emit_degraded(tokens)
+
+    async def _emit_degraded(self, tokens: list[int]) -> None:
+        req = self.req
+        before = len(req.tokens)
+        await req.emit(tokens, degraded=True)
+        n = len(req.tokens) - before
+        req.stats["degraded_tokens"] = req.stats.get("degraded_tokens", 0) + n
+        metrics.DEGRADED_TOKENS.labels(SERVICE, req.mode).inc(n)
+
+    async def resume_verification(self) -> None:
+        """A verifier is up again while the request runs edge-only: open a fresh verifier
+        session holding every token streamed so far (the degraded ones included: they reached
+        the client and stay) and go on speculating from there. Tokens from here on are the
+        target's again (not marked degraded); the stream never repeats or skips a token."""
+        req, d = self.req, self.d
+        peer = next(p for p in d.verifiers if p.up)
+        committed = self.rec.committed()
+        log.warning("verifier %s is back: %s resumes verification after %d degraded tokens",
+                    peer.name, req.sid, req.stats.get("degraded_tokens", 0))
+        old_peer, old_sid = self.vpeer, self.vsid
+        self.rec.attempt += 1                      # a fresh session id on the verifier
+        self.rec.reasons.append("resumed")
+        metrics.RECOVERIES.labels(d.name, req.mode, "resumed").inc()
+        self.rec.peer = self.vpeer = peer
+        self.vsid = self.rec.sid
+        self.vch.close()
+        d.spawn(d.close_remote(old_peer, old_sid))
+        self.vsrc = f"v{self.rec.attempt}"
+        self.vch = peer.channel()
+        self._reader(self.vch, self.vsrc)
+        self.sent_at.clear()
+        self.edge_only = False
+        req.stats["resumed_at"] = len(req.tokens)
+        self.last_v = time.monotonic()
+        await self.vch.send(protocol.SpecOpen(sid=self.vsid, seq=OPEN_SEQ, token_ids=committed,
+                                              sampling=req.sampling, stream=self.policy.stream))
+        await self.act(self.sm.resync(len(committed), committed[-1]))
 
     # --- teardown -------------------------------------------------------------------------------
     async def close(self) -> None:

@@ -271,6 +271,22 @@ class SpecRounds:
             out.append(Limit(self.until))
         return out + self._assign() + self._unstall() + self._zero_round()
 
+    def resync(self, committed: int, last_token: int) -> list:
+        """The stream moved on without verification (edge-only, degraded): its `committed`
+        tokens (the last one `last_token`) are fixed now and a fresh verifier session holds
+        them. Everything past them is forgotten and the drafter restarts from exactly them (a
+        new epoch; it re-evaluates the last token)."""
+        self.C = committed
+        self.drafts = []
+        self.rounds = []
+        self.trigger.reset()
+        self.epoch += 1
+        self.until = self._want_until()
+        out: list = []
+        if self.drafting:
+            out.append(Rollback(self.epoch, committed - 1, [last_token], self.until))
+        return out + self._zero_round()
+
     # --- internals ----------------------------------------------------------------------------
     def _want_until(self) -> int:
         """How far the drafter may run: C + lookahead (sequential policies: one round's cap),
