@@ -421,6 +421,7 @@ def test_every_panel_returns_data_from_a_real_prometheus(tmp_path):
                                 cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
     try:
         with run_prometheus({"synthetic": f"127.0.0.1:{port}"}, tmp_path) as base:
+            start = time.time()
             deadline = time.monotonic() + 60
             ready = 'sum(rate(tandem_spec_drafts_total[10s])) > 0'
             while not prometheus_query(base, ready):
@@ -436,6 +437,13 @@ def test_every_panel_returns_data_from_a_real_prometheus(tmp_path):
                 if not label_values(base, label, metric):
                     bad.append(f"{dash}: variable {var} ({query}) has no values")
             assert not bad, f"{len(bad)} of {len(results)} queries failed:\n" + "\n".join(bad)
+            # the screenshot generator draws every panel from these queries
+            from bench import dashboard_snapshots as snap  # noqa: PLC0415
+            drawn = snap.draw_all(snap.Data(base, start, time.time(), 1.0, "10s"), tmp_path)
+            assert set(drawn) == set(DASHBOARD_NAMES)
+            empty = [f"{d} / {p}" for d, panels in drawn.items() for p, n in panels.items() if not n]
+            assert not empty, f"panels drawn without data: {empty}"
+            assert all((tmp_path / f"{d}.png").stat().st_size > 50_000 for d in drawn)
     finally:
         exporter.terminate()
         exporter.wait(10)
