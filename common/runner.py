@@ -36,6 +36,12 @@ features. Prepacking the weight once (hint: 8 rows) also removes oneDNN's per-ca
 decoder projections (at most 7 MB) show the same pattern at 8 rows (gate/up 0.27 ms MKL vs
 0.08 ms prepacked oneDNN), so every projection is prepacked.
 
+Devices. `device="cuda"` (or "cuda:N") puts the weights, the KV caches and the RoPE tables on
+that GPU and runs every product as plain F.linear (the oneDNN prepacking above is CPU-only);
+inputs may be CPU tensors and outputs come back on the CPU, so callers (the services, the suffix
+executor's padded path) are unchanged. Asking for CUDA where torch cannot use it is an error at
+load, saying why (`resolve_device`).
+
 Accuracy: transformers runs MKL, so logits differ from it by ~1e-4 (sums in another order), as
 much as transformers differs from itself between prefill and token-by-token decode. Prepacked
 oneDNN rows are also independent of the batch size (bit-equal for 2..128 rows; one row takes a
@@ -60,12 +66,36 @@ PACK_ROWS = 8
 STATIC_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
 
 
+def resolve_device(device: str | torch.device) -> torch.device:
+    """`cpu`, `cuda` or `cuda:N` as a torch.device; a clear error if torch cannot use it."""
+    try:
+        d = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        d = None
+    if d is None or d.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r} is not supported: use cpu, cuda or cuda:N")
+    if d.type == "cuda":
+        if not torch.cuda.is_available():
+            why = ("this torch build has no CUDA support" if torch.version.cuda is None else
+                   "torch sees no CUDA GPU (driver, CUDA_VISIBLE_DEVICES, or a container "
+                   "started without --gpus / a device reservation)")
+            raise RuntimeError(f"device {device!r}: {why} (torch {torch.__version__}). Install "
+                               "a CUDA build of torch (docker: --build-arg VARIANT=cuda) or set "
+                               "device: cpu (TANDEM_DEVICE=cpu).")
+        if d.index is not None and d.index >= torch.cuda.device_count():
+            raise RuntimeError(f"device {device!r}: only {torch.cuda.device_count()} CUDA "
+                               "device(s) visible")
+    return d
+
+
 class SessionKV:
     """One session's KV cache for layers [lo, hi): per-layer buffers, allocated on first use."""
 
-    def __init__(self, lo: int, hi: int, kv_heads: int, head_dim: int, dtype: torch.dtype):
+    def __init__(self, lo: int, hi: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu"):
         self.lo, self.hi = lo, hi
         self.kv_heads, self.head_dim, self.dtype = kv_heads, head_dim, dtype
+        self.device = torch.device(device)
         self.bufs: list[torch.Tensor | None] = [None] * (hi - lo)  # [2, kv_heads, capacity, head_dim]
         self.lens = [0] * (hi - lo)
 
@@ -87,7 +117,8 @@ class SessionKV:
         buf = self.bufs[i]
         if buf is None or buf.shape[2] < n_total:
             cap = max(64, n_total, 2 * buf.shape[2] if buf is not None else 0)
-            new = torch.empty(2, self.kv_heads, cap, self.head_dim, dtype=self.dtype)
+            new = torch.empty(2, self.kv_heads, cap, self.head_dim, dtype=self.dtype,
+                              device=self.device)
             if buf is not None:
                 new[:, :, : self.lens[i]] = buf[:, :, : self.lens[i]]
             self.bufs[i] = buf = new
@@ -135,8 +166,9 @@ class LayerRangeRunner:
 
     def __init__(self, model_dir: str | Path, layers: tuple[int, int] | None = None,
                  dtype: torch.dtype = torch.float32, threads: int | None = None,
-                 prepack: bool = True):
+                 prepack: bool = True, device: str | torch.device = "cpu"):
         model_dir = Path(model_dir)
+        self.device = resolve_device(device)
         raw = json.loads((model_dir / "config.json").read_text())
         if raw.get("model_type") != "llama":
             raise ValueError(f"LayerRangeRunner supports Llama models only; {model_dir} has "
@@ -164,7 +196,8 @@ class LayerRangeRunner:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.eps = cfg.rms_norm_eps
         # oneDNN's blocked layout needs a CPU with the dtype's kernels; otherwise plain F.linear.
-        self.prepack = prepack and torch.backends.mkldnn.is_available() and (
+        self.prepack = prepack and self.device.type == "cpu" and (
+            torch.backends.mkldnn.is_available()) and (
             dtype == torch.float32
             or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()))
 
@@ -177,7 +210,8 @@ class LayerRangeRunner:
 
             inv_freq, self.rope_scale = ROPE_INIT_FUNCTIONS[rope_type](cfg)
         self.inv_freq = inv_freq
-        self.cos = self.sin = torch.empty(0, self.head_dim, dtype=dtype)  # table by position
+        self.cos = self.sin = torch.empty(0, self.head_dim, dtype=dtype,
+                                          device=self.device)  # table by position
 
         where = _safetensors_index(model_dir)
         from safetensors import safe_open  # noqa: PLC0415
@@ -190,7 +224,7 @@ class LayerRangeRunner:
             f = handles.get(where[name])
             if f is None:
                 f = handles[where[name]] = safe_open(str(where[name]), framework="pt")
-            return f.get_tensor(name).to(dtype)
+            return f.get_tensor(name).to(device=self.device, dtype=dtype)
 
         self.embed_w = get("model.embed_tokens.weight") if self.lo == 0 else None
         self.layers = []  # index l - lo
@@ -230,12 +264,13 @@ class LayerRangeRunner:
         hi = self.num_layers if hi is None else hi
         if not 0 <= lo < hi <= self.num_layers:
             raise ValueError(f"new_kv: range [{lo}, {hi}) outside [0, {self.num_layers}]")
-        return SessionKV(lo, hi, self.kv_heads, self.head_dim, self.dtype)
+        return SessionKV(lo, hi, self.kv_heads, self.head_dim, self.dtype, self.device)
 
     def embed(self, token_ids) -> torch.Tensor:
         if self.embed_w is None:
             raise ValueError(f"runner holds layers [{self.lo}, {self.hi}): no embeddings")
-        return F.embedding(torch.as_tensor(token_ids, dtype=torch.long), self.embed_w)
+        ids = torch.as_tensor(token_ids, dtype=torch.long).to(self.device)
+        return F.embedding(ids, self.embed_w).cpu()
 
     def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin rows for `positions`, from a table grown geometrically. Each row is computed
@@ -245,8 +280,9 @@ class LayerRangeRunner:
             n = max(need, 2 * self.cos.shape[0], 256)
             freqs = torch.arange(n, dtype=torch.float)[:, None] * self.inv_freq.float()
             emb = torch.cat((freqs, freqs), dim=-1)
-            self.cos = (emb.cos() * self.rope_scale).to(self.dtype)
-            self.sin = (emb.sin() * self.rope_scale).to(self.dtype)
+            self.cos = (emb.cos() * self.rope_scale).to(device=self.device, dtype=self.dtype)
+            self.sin = (emb.sin() * self.rope_scale).to(device=self.device, dtype=self.dtype)
+        positions = positions.to(self.device)
         return self.cos[positions], self.sin[positions]
 
     def _check(self, segments: list[Segment], a: int, b: int) -> list[int]:
@@ -285,20 +321,22 @@ class LayerRangeRunner:
         """Run layers [a, b) for all segments as one ragged batch and append their K/V.
 
         Returns per segment the hidden state after layer b-1 ([n, hidden], runner dtype) when
-        b < L, or float32 logits ([1, V] or [n, V] per `Segment.logits`) when b == L."""
+        b < L, or float32 logits ([1, V] or [n, V] per `Segment.logits`) when b == L, on the CPU
+        whatever the runner's device (inputs may be on either)."""
         starts = self._check(segments, a, b)
         sizes = [s.x.shape[0] for s in segments]
+        dev = self.device
         if a == 0:
-            x = F.embedding(torch.cat([s.x for s in segments]).long(), self.embed_w)
+            x = F.embedding(torch.cat([s.x for s in segments]).long().to(dev), self.embed_w)
         else:
-            x = torch.cat([s.x.to(self.dtype) for s in segments])
+            x = torch.cat([s.x.to(device=dev, dtype=self.dtype) for s in segments])
         T = x.shape[0]
-        positions = torch.cat([torch.arange(p, p + n) for p, n in zip(starts, sizes)])
+        positions = torch.cat([torch.arange(p, p + n) for p, n in zip(starts, sizes)]).to(dev)
         cos, sin = self._rope_tables(positions)
         cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
         # A session with n > 1 new tokens needs the bottom-right causal mask over its
         # start + n keys (query i sees keys <= start + i); a single token sees everything.
-        masks = [None if n == 1 else torch.ones(n, p + n, dtype=torch.bool).tril(p)
+        masks = [None if n == 1 else torch.ones(n, p + n, dtype=torch.bool, device=dev).tril(p)
                  for p, n in zip(starts, sizes)]
         offsets = [0]
         for n in sizes:
@@ -334,9 +372,9 @@ class LayerRangeRunner:
             s.kv.lens[a - s.kv.lo: b - s.kv.lo] = [p + n] * (b - a)
 
         if b < self.num_layers:
-            return list(x.split(sizes))
+            return list(x.cpu().split(sizes))
         rows = [torch.arange(o, o + n) if s.logits == "all" else torch.tensor([o + n - 1])
                 for s, o, n in zip(segments, offsets, sizes)]
-        h = _rms_norm(x[torch.cat(rows)], self.norm_w, self.eps)
-        logits = self._linear(h, self.lm_head).float()
+        h = _rms_norm(x[torch.cat(rows).to(dev)], self.norm_w, self.eps)
+        logits = self._linear(h, self.lm_head).float().cpu()
         return list(logits.split([len(r) for r in rows]))

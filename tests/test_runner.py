@@ -284,3 +284,71 @@ def test_bfloat16_runner_tracks_fp32(runner, model_paths, prompt):
         warnings.simplefilter("ignore")
         agree = (got.argmax(-1) == want.argmax(-1)).float().mean()
     assert agree >= 0.75
+
+
+# -- devices ----------------------------------------------------------------------------------
+def test_device_names_and_a_missing_gpu_are_clear_errors(model_paths):
+    from common.runner import resolve_device
+    assert resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(ValueError, match="cpu, cuda or cuda:N"):
+        resolve_device("tpu")
+    with pytest.raises(ValueError, match="cpu, cuda or cuda:N"):
+        resolve_device("cuda:x")
+    if torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="CUDA device"):
+            resolve_device(f"cuda:{torch.cuda.device_count()}")
+    else:
+        with pytest.raises(RuntimeError, match="TANDEM_DEVICE=cpu"):
+            LayerRangeRunner(model_paths.target, device="cuda")
+
+
+def test_device_is_a_config_field_of_every_runner_service():
+    from common.config import load
+    from services.prefix.config import PrefixConfig
+    from services.suffix.config import SuffixConfig
+    from services.verifier.config import VerifierConfig
+    for cls, name in ((VerifierConfig, "verifier"), (PrefixConfig, "prefix"),
+                      (SuffixConfig, "suffix")):
+        assert load(cls, name, [], env={}).device == "cpu"
+        assert load(cls, name, [], env={"TANDEM_DEVICE": "cuda"}).device == "cuda"
+        assert load(cls, name, ["--device", "cuda:1"], env={}).device == "cuda:1"
+
+
+@pytest.mark.parametrize("device", [
+    "cpu",     # the same plain F.linear path CUDA takes, on the CPU: checks the check itself
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                  reason="no CUDA GPU visible to torch"))])
+def test_plain_linear_runner_on_a_device_tracks_the_cpu_runner(runner, model_paths, prompt,
+                                                               device):
+    """Weights and KV on the device, plain F.linear: logits within float32 noise of the
+    prepacked CPU runner, ragged batches and the suffix's padded path included; outputs come
+    back on the CPU."""
+    from services.suffix.executor import padded_forward
+    gpu = LayerRangeRunner(model_paths.target, device=device, prepack=device != "cpu")  # CUDA: ignored
+    assert not gpu.prepack and gpu.lm_head.device.type == device
+    L = gpu.num_layers
+    kv_c, kv_g = runner.new_kv(), gpu.new_kv()
+    want = runner.forward([Segment(kv_c, torch.tensor(prompt), "all")], 0, L)[0]
+    got = gpu.forward([Segment(kv_g, torch.tensor(prompt), "all")], 0, L)[0]
+    assert got.device.type == "cpu" and kv_g.bufs[0].device.type == device
+    assert_close(got, want, tol=2e-3, what="cuda prefill")
+    # a ragged batch: one decode token for this session, a fresh 3-token prompt for another
+    nxt = int(want[-1].argmax())
+    segs = lambda r, kv, kv2: [Segment(kv, torch.tensor([nxt])), Segment(kv2, torch.tensor(prompt[:3]))]  # noqa: E731
+    c2, g2 = runner.new_kv(), gpu.new_kv()
+    for w, g in zip(runner.forward(segs(runner, kv_c, c2), 0, L), gpu.forward(segs(gpu, kv_g, g2), 0, L)):
+        assert_close(g, w, tol=2e-3, what="cuda ragged")
+    # the suffix's left-padded decode path from a cut, two sessions at different lengths
+    c = 7
+    hc = runner.forward([Segment(runner.new_kv(0, c), torch.tensor(prompt))], 0, c)[0]
+    sc, sg = runner.new_kv(c, L), gpu.new_kv(c, L)
+    runner.forward([Segment(sc, hc[:-1])], c, L)
+    gpu.forward([Segment(sg, hc[:-1])], c, L)
+    tc, tg = runner.new_kv(c, L), gpu.new_kv(c, L)
+    runner.forward([Segment(tc, hc[:-3])], c, L)
+    gpu.forward([Segment(tg, hc[:-3])], c, L)
+    want, _, _ = padded_forward(runner, [sc, tc], [hc[-1:], hc[-3:-2]], c, L)
+    got, _, _ = padded_forward(gpu, [sg, tg], [hc[-1:], hc[-3:-2]], c, L)
+    for g, w in zip(got, want):
+        assert g.device.type == "cpu"
+        assert_close(g, w, tol=2e-3, what="cuda padded")

@@ -100,7 +100,8 @@ class Prefix(Service):
         dtype = getattr(torch, self.cfg.dtype)
         self.wire = dtype if self.cfg.wire_dtype == "auto" else getattr(torch, self.cfg.wire_dtype)
         self.runner = await asyncio.to_thread(
-            LayerRangeRunner, path, (0, self.c_max), dtype, self.cfg.threads or None)
+            LayerRangeRunner, path, (0, self.c_max), dtype, self.cfg.threads or None,
+            device=self.cfg.device)
         self.log.info("prefix %s: layers [0, %d) of %d, wire %s", path, self.c_max, L, self.wire)
         self.spawn(self.loop())
 

@@ -7,6 +7,7 @@ from common.config import ServiceConfig
 class SuffixConfig(ServiceConfig):
     target: str = "bundled"           # HF model directory of the target, or "bundled"
     dtype: str = "float32"            # compute dtype: float32 | bfloat16 | float16 (GPU)
+    device: str = "cpu"               # cpu | cuda | cuda:N — weights and KV caches there (an error if torch has no such GPU)
     scheduler: str = "cascade"        # fifo | exact | interleave | dsb | cascade (DESIGN.md §4)
     window_ms: float = 8.0            # exact/dsb/cascade: longest the oldest ready step waits for its window
     max_size: int = 8                 # exact/dsb/cascade: steps per window (fifo/interleave: always 1)

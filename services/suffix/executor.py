@@ -108,20 +108,20 @@ def padded_forward(runner: LayerRangeRunner, kvs: list[SessionKV], xs: list[torc
     B, P = len(kvs), max(starts)
     nh, nkv, hd = runner.n_heads, runner.kv_heads, runner.head_dim
     nqk = (nh + nkv) * hd
-    dtype = runner.dtype
-    x = torch.cat([x.to(dtype) for x in xs])                        # [B, hidden]
-    pos = torch.tensor(starts)
+    dtype, dev = runner.dtype, runner.device
+    x = torch.cat([x.to(device=dev, dtype=dtype) for x in xs])     # [B, hidden]
+    pos = torch.tensor(starts, device=dev)
     cos, sin = runner._rope_tables(pos)
     cos, sin = cos[:, None], sin[:, None]
     pad = P - pos                                                   # left padding per row
-    mask = (torch.arange(P + 1)[None, :] >= pad[:, None])[:, None, None, :]  # [B, 1, 1, P+1]
+    mask = (torch.arange(P + 1, device=dev)[None, :] >= pad[:, None])[:, None, None, :]  # [B, 1, 1, P+1]
     merge_s = compute_s = 0.0
     for layer in range(a, b):
         t0 = time.perf_counter()
         # merge: this layer's caches, left-padded with zeros (padding must be finite: masked
         # weights are exact zeros, and 0 * NaN from uninitialised memory would poison the sum)
-        k = torch.zeros(B, nkv, P + 1, hd, dtype=dtype)
-        v = torch.zeros(B, nkv, P + 1, hd, dtype=dtype)
+        k = torch.zeros(B, nkv, P + 1, hd, dtype=dtype, device=dev)
+        v = torch.zeros(B, nkv, P + 1, hd, dtype=dtype, device=dev)
         for i, (kv, p) in enumerate(zip(kvs, starts)):
             if p:
                 buf = kv.bufs[layer - kv.lo]
@@ -153,9 +153,9 @@ def padded_forward(runner: LayerRangeRunner, kvs: list[SessionKV], xs: list[torc
         compute_s += t2 - t1
     t = time.perf_counter()
     if b < runner.num_layers:
-        outs = list(x.split(1))
+        outs = list(x.cpu().split(1))
     else:
         logits = runner._linear(_rms_norm(x, runner.norm_w, runner.eps), runner.lm_head).float()
-        outs = list(logits.split(1))
+        outs = list(logits.cpu().split(1))
     compute_s += time.perf_counter() - t
     return outs, merge_s, compute_s

@@ -84,7 +84,8 @@ class Suffix(Service):
 
         path = models.resolve_target(self.cfg.target)
         self.runner = await asyncio.to_thread(
-            LayerRangeRunner, path, None, getattr(torch, self.cfg.dtype), self.cfg.threads or None)
+            LayerRangeRunner, path, None, getattr(torch, self.cfg.dtype), self.cfg.threads or None,
+            device=self.cfg.device)
         self.L = self.runner.num_layers
         self.log.info("suffix %s: %d layers, scheduler %s (window %.1f ms / %d%s)", path, self.L,
                       self.scheduler, self.builder.config.window_ms, self.builder.config.max_size,

@@ -7,6 +7,7 @@ from common.config import ServiceConfig
 class VerifierConfig(ServiceConfig):
     target: str = "bundled"           # HF model directory of the target, or "bundled"
     dtype: str = "float32"            # float32 | bfloat16 | float16 (GPU)
+    device: str = "cpu"               # cpu | cuda | cuda:N — weights and KV caches there (an error if torch has no such GPU)
     max_batch_tokens: int = 512       # tokens in one forward call; longer prefills are chunked
     max_batch_sessions: int = 32      # sessions in one forward call
     stream_verify: bool = True        # run the forward over draft batches as they arrive

@@ -112,7 +112,8 @@ class Verifier(Service):
         path = models.resolve_target(self.cfg.target)
         dtype = getattr(torch, self.cfg.dtype)
         self.runner = await asyncio.to_thread(
-            LayerRangeRunner, path, None, dtype, self.cfg.threads or None)
+            LayerRangeRunner, path, None, dtype, self.cfg.threads or None,
+            device=self.cfg.device)
         self.vocab_size = self.runner.vocab_size
         self.log.info("target %s loaded: %d layers, vocab %d", path, self.runner.num_layers,
                       self.vocab_size)
