@@ -414,6 +414,10 @@ def test_spec_metrics_are_exported(clusters, clients, tokenizer):
                  "tandem_time_per_accepted_token_seconds_bucket"):
         assert f"\n{name}{{" in text, name
     assert 'policy="pipesd"' in text and 'name="gamma"' in text
+    # the dispatcher declares every policy's series at 0 when it starts: this request moved them
+    drafts = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("tandem_spec_drafts_total{") and 'policy="pipesd"' in line]
+    assert drafts and drafts[0] > 0, drafts
 
 
 def test_drafter_killed_mid_request_output_stays_exact(clusters, clients, tokenizer, reference,
