@@ -4,7 +4,8 @@
 from tandem.client import DEFAULT_ENDPOINT, AsyncClient, Chunk, Client, Result
 from tandem.errors import (Busy, Cancelled, DeadlineExceeded, InvalidRequest, ServerError,
                            TandemError, Unavailable)
+from tandem.stats import Stats
 
-__all__ = ["Client", "AsyncClient", "Chunk", "Result", "DEFAULT_ENDPOINT", "TandemError",
+__all__ = ["Client", "AsyncClient", "Chunk", "Result", "Stats", "DEFAULT_ENDPOINT", "TandemError",
            "InvalidRequest", "Busy", "DeadlineExceeded", "Cancelled", "Unavailable",
            "ServerError"]

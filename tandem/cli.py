@@ -180,7 +180,7 @@ def cmd_generate(args) -> int:
             if args.json:
                 r = c.complete(args.prompt, **kw)
                 print(json.dumps({"mode": args.mode, "token_ids": r.token_ids, "text": r.text,
-                                  "finish_reason": r.finish_reason, "stats": r.stats}))
+                                  "finish_reason": r.finish_reason, "stats": dict(r.stats)}))
             else:
                 for chunk in c.generate(args.prompt, **kw):
                     print(chunk.text, end="", flush=True)

@@ -29,6 +29,7 @@ import zmq.asyncio
 
 from common import protocol
 from tandem.errors import Cancelled, DeadlineExceeded, TandemError, error_from_code
+from tandem.stats import Stats
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5550"
 
@@ -44,10 +45,13 @@ class Chunk:
 
 @dataclass
 class Result:
+    """A finished request. `finish_reason`: "length" (max_tokens reached), "eos" or "cancelled".
+    `stats`: the dispatcher's per-request figures, typed (tandem.stats.Stats; also indexable
+    like a dict: `stats["tpt_s"]`)."""
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str = ""
-    stats: dict = field(default_factory=dict)   # per-request figures from the dispatcher
+    stats: Stats = field(default_factory=Stats)
 
 
 class AsyncClient:
@@ -132,7 +136,7 @@ class AsyncClient:
                     yield Chunk(ev.index, list(ev.token_ids), ev.text, ev.degraded)
                 elif isinstance(ev, protocol.Done):
                     result.finish_reason = ev.finish_reason
-                    result.stats = dict(ev.stats)
+                    result.stats = Stats.from_dict(ev.stats)
                     self.last_result = result
                     finished = True
                     if ev.finish_reason == "cancelled":
@@ -204,4 +208,4 @@ class Client:
         self.close()
 
 
-__all__ = ["Client", "AsyncClient", "Chunk", "Result", "TandemError", "DEFAULT_ENDPOINT"]
+__all__ = ["Client", "AsyncClient", "Chunk", "Result", "Stats", "TandemError", "DEFAULT_ENDPOINT"]
