@@ -1,0 +1,37 @@
+"""Errors are typed (tandem.errors), each with the wire's stable `code` and the server's
+`message`: InvalidRequest, Busy, DeadlineExceeded, Cancelled, Unavailable, ServerError — all
+subclasses of TandemError.
+
+    python examples/errors.py [tcp://127.0.0.1:5550]
+"""
+
+from _endpoint import ENDPOINT
+
+from tandem import (Busy, Client, DeadlineExceeded, InvalidRequest, TandemError,
+                    Unavailable)
+
+with Client(ENDPOINT) as c:
+    for bad in (dict(max_tokens=0), dict(mode="telepathy"), dict(top_p=0.0)):
+        try:
+            c.complete("Hello", **bad)
+        except InvalidRequest as e:            # malformed or out of range: fix the request
+            print(f"{bad}: InvalidRequest code={e.code!r}: {e.message}")
+
+    try:
+        c.complete("Hello", max_tokens=4)
+    except Busy:                               # over capacity: back off and retry
+        print("busy, retry later")
+    except Unavailable as e:                   # a service the mode needs is down
+        print(f"unavailable: {e.message}")
+    except TandemError as e:                   # anything else from the server
+        print(f"failed: {e}")
+    else:
+        print("a good request succeeds")
+
+# Nothing listens here: ZMQ queues the request and waits, and the client gives up at
+# deadline + 5 s with DeadlineExceeded ("no answer from the dispatcher at ...").
+with Client("tcp://127.0.0.1:9", timeout_s=1) as dead:
+    try:
+        dead.complete("Hello", max_tokens=4, deadline_s=0.5)
+    except DeadlineExceeded as e:
+        print(f"dispatcher down: {e.message}")
