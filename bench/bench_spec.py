@@ -39,6 +39,7 @@ from pathlib import Path
 
 from bench.report import summary, table, welch_t, write_json
 from common.launcher import Cluster, free_port
+from common.progress import Progress
 from tests.conftest import PROMPTS
 
 POLICIES = ["cloud-only", "vanilla", "hsl", "edgellm", "pipesd", "pipesd-stream", "oracle"]
@@ -280,16 +281,21 @@ def main(argv=None) -> int:
                         run_request(c, p, list(prompts.values())[i % len(prompts)], n)
             if bo_warmup:
                 print(f"# BO warm-up: {bo_warmup} unmeasured requests per pipesd policy", flush=True)
-            for rep in range(repeats):
-                for k, ids in prompts.items():
-                    order = policies if rep % 2 == 0 else policies[::-1]
-                    for p in order:
-                        r, st = run_request(c, p, ids, n)
-                        runs[u, p].append({"prompt": k, "repeat": rep, "tpt_s": st["tpt_s"],
-                                           "identical": r.token_ids == ref[k],
-                                           **{key: st.get(key) for key in RUN_STATS}})
-                        print(f"  {p:14s} {k:6s} rep {rep}: TPT {st['tpt_s'] * 1000:7.1f} ms"
-                              f"  identical={r.token_ids == ref[k]}", flush=True)
+            label = "bench spec" + ("" if u is None else f" {u:g} Mbit/s")
+            with Progress(repeats * len(prompts) * len(policies), label, tick=True) as bar:
+                for rep in range(repeats):
+                    for k, ids in prompts.items():
+                        order = policies if rep % 2 == 0 else policies[::-1]
+                        for p in order:
+                            bar.stage(f"{p} {k} rep {rep}")
+                            r, st = run_request(c, p, ids, n)
+                            runs[u, p].append({"prompt": k, "repeat": rep, "tpt_s": st["tpt_s"],
+                                               "identical": r.token_ids == ref[k],
+                                               **{key: st.get(key) for key in RUN_STATS}})
+                            bar.write(f"  {p:14s} {k:6s} rep {rep}: TPT "
+                                      f"{st['tpt_s'] * 1000:7.1f} ms  "
+                                      f"identical={r.token_ids == ref[k]}")
+                            bar.advance()
 
     rows = []
     for u in uplinks:

@@ -44,6 +44,7 @@ from bench import replay
 from bench.report import table, welch_t, write_json
 from common import models
 from common.launcher import Cluster, run_dir
+from common.progress import Progress
 from common.runner import LayerRangeRunner
 from services.suffix.planning import SCHEDULERS
 
@@ -164,23 +165,27 @@ async def section_poisson(a, sfx, recs, edge, w0, rng):
           flush=True)
     workers = [c for c in range(2, 10) for _ in range(2)]
     rows = []
-    for load in a.loads:
-        rate = load / w0
-        runs = {s: [] for s in a.schedulers}
-        for trial in range(a.trials):
-            order = rng.sample(a.schedulers, len(a.schedulers))  # randomised, as the paper
-            for s in order:
-                seed = 1000 * load + trial  # same arrivals and prompts for every scheduler
-                r = await measured(sfx, s, lambda p, mark: replay.poisson_fleet(
-                    p, recs, workers, a.sessions, rate, edge, seed, a.tokens,
-                    tag=f"p{load}-{trial}-{s}"))
-                runs[s].append(r)
-                print(f"  N={load} trial {trial} {s:10s} {r['throughput']:7.1f} tok/s  "
-                      f"latency {r['latency']:6.2f} s  window {r['window_size']:.2f}  "
-                      f"calls/step {r['calls_per_step']:.2f}", flush=True)
-        for s in a.schedulers:
-            agg = aggregate(runs[s])
-            rows.append({"load": load, "scheduler": s, "rate_per_s": rate, **agg})
+    with Progress(len(a.loads) * a.trials * len(a.schedulers), "bench split: poisson",
+                  tick=True) as bar:
+        for load in a.loads:
+            rate = load / w0
+            runs = {s: [] for s in a.schedulers}
+            for trial in range(a.trials):
+                order = rng.sample(a.schedulers, len(a.schedulers))  # randomised, as the paper
+                for s in order:
+                    seed = 1000 * load + trial  # same arrivals and prompts for every scheduler
+                    bar.stage(f"N={load} trial {trial} {s}")
+                    r = await measured(sfx, s, lambda p, mark: replay.poisson_fleet(
+                        p, recs, workers, a.sessions, rate, edge, seed, a.tokens,
+                        tag=f"p{load}-{trial}-{s}"))
+                    runs[s].append(r)
+                    bar.write(f"  N={load} trial {trial} {s:10s} {r['throughput']:7.1f} tok/s  "
+                              f"latency {r['latency']:6.2f} s  window {r['window_size']:.2f}  "
+                              f"calls/step {r['calls_per_step']:.2f}")
+                    bar.advance()
+            for s in a.schedulers:
+                agg = aggregate(runs[s])
+                rows.append({"load": load, "scheduler": s, "rate_per_s": rate, **agg})
     base = {(r["load"], r["scheduler"]): r for r in rows}
     for r in rows:
         f, e = base.get((r["load"], "fifo")), base.get((r["load"], "exact"))

@@ -21,6 +21,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.progress import Progress
+
 BUNDLED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TOKENIZER_PROBE = (
     "Tandem probe: The quick brown fox jumps over 13 lazy dogs. def f(x): return x**2  # ✓ café 東京"
@@ -106,19 +108,24 @@ def prepare_target(gguf: Path, out: Path) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
 
     _say(f"dequantising {gguf.name} into {out} (once, ~20 s)")
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                 dtype=torch.float32)
-    # transformers refuses to save a model "quantized with gguf" even though the weights are
-    # already dequantised fp32 tensors: drop the quantizer and its config entry first.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    tmp = out.with_name(out.name + ".tmp")
-    model.save_pretrained(str(tmp))
-    tok.save_pretrained(str(tmp))
-    (tmp / "tandem.json").write_text(json.dumps({"source_gguf": str(gguf)}) + "\n")
-    tmp.rename(out)
+    with Progress(3, "models: target", tick=True) as bar:
+        bar.stage("tokenizer")
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        bar.advance(note="dequantising the weights to fp32")
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                     dtype=torch.float32)
+        # transformers refuses to save a model "quantized with gguf" even though the weights
+        # are already dequantised fp32 tensors: drop the quantizer and its config entry first.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        bar.advance(note="writing safetensors")
+        tmp = out.with_name(out.name + ".tmp")
+        model.save_pretrained(str(tmp))
+        tok.save_pretrained(str(tmp))
+        (tmp / "tandem.json").write_text(json.dumps({"source_gguf": str(gguf)}) + "\n")
+        tmp.rename(out)
+        bar.advance(note="done")
     _say(f"target ready: {out}")
     return out
 
@@ -139,8 +146,11 @@ def prepare_drafter(gguf: Path, out: Path, ftype: str = "Q4_0") -> Path:
     params.allow_requantize = True
     params.nthread = os.cpu_count() or 1
     tmp = out.with_name(out.name + ".tmp")
-    rc = llama_cpp.llama_model_quantize(str(gguf).encode(), str(tmp).encode(),
-                                        ctypes.byref(params))
+    with Progress(1, f"models: drafter {ftype}", tick=True) as bar:
+        bar.stage("llama.cpp quantize")
+        rc = llama_cpp.llama_model_quantize(str(gguf).encode(), str(tmp).encode(),
+                                            ctypes.byref(params))
+        bar.advance(note="done" if rc == 0 else f"failed ({rc})")
     if rc != 0 or not tmp.is_file():
         raise ModelError(f"llama.cpp quantize failed with code {rc}")
     tmp.rename(out)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import itertools
 import logging
 import os
@@ -234,9 +235,18 @@ class Service:
         if curve is not None:  # before bind: every connection must then speak CURVE
             security.apply_server(self.sock, curve)
             self.auth = security.start_authenticator(self.ctx, curve)
-        self.sock.bind(self.cfg.bind)
+        try:
+            self.sock.bind(self.cfg.bind)
+        except zmq.ZMQError as e:
+            self._unbind()
+            raise BindError(self.name, self.cfg.bind, "--bind", e.errno, e.strerror) from None
         self.bound_endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        http = await asyncio.start_server(self._http, self.cfg.http_host, self.cfg.http_port)
+        try:
+            http = await asyncio.start_server(self._http, self.cfg.http_host, self.cfg.http_port)
+        except OSError as e:
+            self._unbind()
+            raise BindError(self.name, f"http://{self.cfg.http_host}:{self.cfg.http_port}",
+                            "--http-port", e.errno, e.strerror) from None
         self.http_port = http.sockets[0].getsockname()[1]
         self.log.info("%s listening on %s, http://%s:%d (pid %d)", self.name,
                       self.bound_endpoint, self.cfg.http_host, self.http_port, os.getpid())
@@ -269,6 +279,13 @@ class Service:
             if self.auth is not None:
                 self.auth.stop()
             self.ctx.term()
+
+    def _unbind(self) -> None:
+        """Start-up failed before serving: release the socket (and the CURVE authenticator)."""
+        self.sock.close(linger=0)
+        if self.auth is not None:
+            self.auth.stop()
+            self.auth = None
 
     def stop(self) -> None:
         if self.stopping is not None:
@@ -303,7 +320,7 @@ class Service:
             await self.serve()
         try:
             runner(main())
-        except security.KeyFileError as e:  # a configuration error: say so, no traceback
+        except (security.KeyFileError, BindError) as e:  # configuration errors: no traceback
             raise SystemExit(f"{self.name}: {e}") from None
 
     # --- HTTP: /metrics, /healthz, /readyz ----------------------------------------------------
@@ -333,6 +350,22 @@ class Service:
             pass  # slow, vanished or oversize (a line over 64 KiB): drop the connection
         finally:
             writer.close()
+
+
+class BindError(OSError):
+    """A service cannot listen where it was told to (most often: the port is taken)."""
+
+    def __init__(self, service: str, where: str, flag: str, errno_: int | None, why: str):
+        hint = ""
+        if errno_ == errno.EADDRINUSE:
+            why = "address already in use"
+            hint = (f" — another process listens there (another Tandem? `tandem status`, "
+                    f"`tandem down`); choose another port with {flag}")
+        super().__init__(errno_, f"cannot listen on {where}: {why}{hint}")
+        self.service, self.where = service, where
+
+    def __str__(self) -> str:
+        return self.strerror
 
 
 class PeerError(Exception):

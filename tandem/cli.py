@@ -4,8 +4,8 @@
     tandem down                 stop what `up --detach` started
     tandem status [--json]      each service: name, endpoint, pid, health
     tandem serve SERVICE ...    run one service in the foreground (what compose runs)
-    tandem generate PROMPT ...  one request through the SDK
-    tandem models prepare       make the bundled target and drafter (once, cached)
+    tandem generate PROMPT ...  one request through the SDK [--json]
+    tandem models prepare|show  make the bundled target and drafter (once, cached) [--json]
     tandem link ...             the WAN emulator (common/wan_cli.py)
     tandem keys ...             CURVE key pairs for the edge-cloud links (tandem/keys.py)
     tandem bench ...            benchmarks (bench/)
@@ -35,16 +35,37 @@ def _available_services() -> list[str]:
 def cmd_models(args) -> int:
     from common import models  # noqa: PLC0415
     if args.action == "prepare":
-        paths = models.prepare_all()
-        models.check_tokenizers(paths.target, paths.drafter)
-        print(f"target : {paths.target}\ndrafter: {paths.drafter}\n"
-              f"drafter (near-ideal): {paths.drafter_ideal}")
+        try:
+            paths = models.prepare_all()
+            models.check_tokenizers(paths.target, paths.drafter)
+        except models.ModelError as e:
+            return _fail(args, "model", str(e))
+        if args.json:
+            print(json.dumps({"target": str(paths.target), "drafter": str(paths.drafter),
+                              "drafter_ideal": str(paths.drafter_ideal)}))
+        else:
+            print(f"target : {paths.target}\ndrafter: {paths.drafter}\n"
+                  f"drafter (near-ideal): {paths.drafter_ideal}")
+        return 0
+    p = models.default_paths()
+    rows = [{"name": name, "path": str(path), "ok": path.exists()}
+            for name, path in (("target", p.target), ("drafter", p.drafter),
+                               ("drafter_ideal", p.drafter_ideal))]
+    if args.json:
+        print(json.dumps(rows, indent=2))
     else:
-        p = models.default_paths()
-        for name, path in (("target", p.target), ("drafter", p.drafter),
-                           ("drafter_ideal", p.drafter_ideal)):
-            print(f"{name:14s} {'ok     ' if path.exists() else 'missing'} {path}")
+        for r in rows:
+            print(f"{r['name']:14s} {'ok     ' if r['ok'] else 'missing'} {r['path']}")
     return 0
+
+
+def _fail(args, code: str, message: str, hint: str = "") -> int:
+    """A helpful error, not a traceback: `error: ...` (and a hint) on stderr; with --json also
+    {"error": {"code", "message"}} on stdout, for scripts. Exit status 1."""
+    print(f"error: {message}" + (f"\n  {hint}" if hint else ""), file=sys.stderr)
+    if getattr(args, "json", False):
+        print(json.dumps({"error": {"code": code, "message": message}}))
+    return 1
 
 
 def cmd_up(args) -> int:
@@ -55,13 +76,22 @@ def cmd_up(args) -> int:
     if existing and any(p.alive() for p in existing.procs.values()):
         print("tandem is already running (`tandem status`, `tandem down`)", file=sys.stderr)
         return 1
-    paths = models.prepare_all()
-    models.check_tokenizers(paths.target, paths.drafter)
     cluster = Cluster(services=_available_services())
-    busy = [f"{p.name}:{p.endpoint}" for p in cluster.procs.values() if _port_taken(p.endpoint)]
+    busy = [f"{p.name} {where}" for p in cluster.procs.values()
+            for where, host, port in (
+                (p.endpoint, *p.endpoint.removeprefix("tcp://").rsplit(":", 1)),
+                (f"http://127.0.0.1:{p.http_port}", "127.0.0.1", p.http_port))
+            if _port_taken(host, int(port))]
     if busy:
-        print(f"ports already in use: {', '.join(busy)} — is another Tandem running?",
-              file=sys.stderr)
+        print(f"error: ports already in use: {', '.join(busy)}\n  is another Tandem running? "
+              f"`tandem status` / `tandem down`, or stop the process that holds them "
+              f"(`ss -ltnp`)", file=sys.stderr)
+        return 1
+    try:
+        paths = models.prepare_all()
+        models.check_tokenizers(paths.target, paths.drafter)
+    except models.ModelError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"starting {', '.join(cluster.procs)} (logs in {run_dir()})", flush=True)
     cluster.start_all()
@@ -95,11 +125,30 @@ def cmd_up(args) -> int:
             (run_dir() / "state.json").unlink(missing_ok=True)
 
 
-def _port_taken(endpoint: str) -> bool:
+def _port_taken(host: str, port: int) -> bool:
+    """Something listens on host:port (a bind test: SO_REUSEADDR, like ZMQ's and asyncio's
+    listeners, so a port left in TIME_WAIT by a stopped Tandem does not count)."""
     import socket  # noqa: PLC0415
-    host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
     with socket.socket() as s:
-        return s.connect_ex((host, int(port))) == 0
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def _listening(endpoint: str, timeout: float = 2.0) -> bool | None:
+    """Whether a TCP endpoint accepts connections (None: not a tcp:// endpoint, unknown)."""
+    import socket  # noqa: PLC0415
+    if not endpoint.startswith("tcp://"):
+        return None
+    host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            return True
+    except (OSError, ValueError):
+        return False
 
 
 def _demo(endpoint: str, mode: str) -> None:
@@ -175,6 +224,10 @@ def cmd_generate(args) -> int:
     kw = dict(mode=args.mode, max_tokens=args.max_tokens, temperature=args.temperature,
               top_k=args.top_k, top_p=args.top_p, seed=args.seed, policy=args.policy,
               cut=args.cut, chat=args.chat, deadline_s=args.deadline)
+    if _listening(args.endpoint) is False:   # ZMQ would queue the request and wait for minutes
+        return _fail(args, "unavailable", f"no dispatcher at {args.endpoint} (connection refused)",
+                     "start Tandem with `tandem up --detach` (`tandem status` shows what runs), "
+                     "or point --endpoint / TANDEM_ENDPOINT at a running dispatcher")
     try:
         with Client(args.endpoint) as c:
             if args.json:
@@ -187,8 +240,12 @@ def cmd_generate(args) -> int:
                 print()
                 print(_stats_line(c.last_result.stats), file=sys.stderr)
     except TandemError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        code = getattr(e, "code", "bad_key")
+        hint = {"unavailable": "`tandem status` shows which service is down",
+                "deadline": "no answer in time: is the dispatcher running and healthy? "
+                            "(`tandem status`)" if "no answer" in str(e) else "",
+                "busy": "the dispatcher is at capacity; retry later"}.get(code, "")
+        return _fail(args, code, getattr(e, "message", str(e)), hint)
     return 0
 
 
@@ -223,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--json", action="store_true", help='print {"mode","token_ids","text","stats"}')
     m = sub.add_parser("models", help="prepare or show the bundled models")
     m.add_argument("action", choices=["prepare", "show"])
+    m.add_argument("--json", action="store_true", help="machine-readable paths (and status)")
     sub.add_parser("link", help="WAN emulator (see `tandem link --help`)", add_help=False)
     sub.add_parser("bench", help="benchmarks (see `tandem bench --help`)", add_help=False)
     sub.add_parser("keys", help="CURVE key pairs (see `tandem keys --help`)", add_help=False)
