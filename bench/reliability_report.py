@@ -267,6 +267,12 @@ def render(d: dict) -> str:
             f"{k}: {n} replies" for k, n in v["replies"].items())
             + f"; messages that reached a handler: {v['reached_handler']}; the allowed key from a "
               "raw socket is answered"])
+    v = sec.get("CURVE client -> dispatcher (SDK)")
+    if v:
+        rows.append(["CURVE on client (SDK) -> dispatcher", f"allowlisted key pair: "
+                     f"{v['allowed_key']}; unknown key: {v['unknown_key']}; plaintext client: "
+                     f"{v['plaintext']}; their requests that reached a handler: "
+                     f"{v['reached_handler']}"])
     v = sec.get("ports bound to loopback")
     if v:
         rows.append(["ports bound to loopback", f"HTTP {v['http']}; ZMQ {v['zmq']}; checked on "
@@ -284,7 +290,12 @@ def render(d: dict) -> str:
           "--curve-allow-dir keys/allowed` and ZAP (zmq.auth's asyncio authenticator) admits "
           "only allowlisted client keys, before any message reaches a handler; the dispatcher "
           "dials with `--curve-client-key keys/dispatcher.key_secret --curve-server-keys "
-          "verifier=keys/verifier.key`. Per-client limits: `--client-max-sessions`, "
+          "verifier=keys/verifier.key`. The client-facing socket works the same way: the "
+          "dispatcher binds with `--curve-secret-key keys/dispatcher.key_secret "
+          "--curve-allow-dir keys/clients` and the SDK connects with "
+          "`Client(endpoint, curve_server_key='keys/dispatcher.key', "
+          "curve_client_key='keys/app.key_secret')` (`tandem generate --curve-server-key ... "
+          "--curve-client-key ...`). Per-client limits: `--client-max-sessions`, "
           "`--client-max-tokens` on the dispatcher (a client is its CURVE key when the "
           "dispatcher authenticates clients, else its ZMQ identity).", ""]
     return "\n".join(L).rstrip() + "\n"

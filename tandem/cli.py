@@ -229,7 +229,8 @@ def cmd_generate(args) -> int:
                      "start Tandem with `tandem up --detach` (`tandem status` shows what runs), "
                      "or point --endpoint / TANDEM_ENDPOINT at a running dispatcher")
     try:
-        with Client(args.endpoint) as c:
+        with Client(args.endpoint, curve_server_key=args.curve_server_key or None,
+                    curve_client_key=args.curve_client_key or None) as c:
             if args.json:
                 r = c.complete(args.prompt, **kw)
                 print(json.dumps({"mode": args.mode, "token_ids": r.token_ids, "text": r.text,
@@ -239,7 +240,7 @@ def cmd_generate(args) -> int:
                     print(chunk.text, end="", flush=True)
                 print()
                 print(_stats_line(c.last_result.stats), file=sys.stderr)
-    except TandemError as e:
+    except (TandemError, ValueError) as e:   # ValueError: a CURVE key file that will not load
         code = getattr(e, "code", "bad_key")
         hint = {"unavailable": "`tandem status` shows which service is down",
                 "deadline": "no answer in time: is the dispatcher running and healthy? "
@@ -267,6 +268,10 @@ def main(argv: list[str] | None = None) -> int:
     g = sub.add_parser("generate", help="one request through the SDK")
     g.add_argument("prompt")
     g.add_argument("--endpoint", default=os.environ.get("TANDEM_ENDPOINT", "tcp://127.0.0.1:5550"))
+    g.add_argument("--curve-server-key", default=os.environ.get("TANDEM_CURVE_SERVER_KEY", ""),
+                   help="the dispatcher's public key (NAME.key) when it runs CURVE")
+    g.add_argument("--curve-client-key", default=os.environ.get("TANDEM_CURVE_CLIENT_KEY", ""),
+                   help="this client's key pair (NAME.key_secret), allowlisted by the dispatcher")
     g.add_argument("--mode", default="cloud-only", help="spec | split | cloud-only")
     g.add_argument("--policy", default="", help="spec policy (default pipesd)")
     g.add_argument("--cut", type=int, default=0, help="split cut layer (0 = server default)")

@@ -12,12 +12,18 @@
         result = await c.complete("Hello", max_tokens=16)   # whole result at once
 
 Errors arrive as typed exceptions (tandem.errors). Nothing here needs torch.
+
+A dispatcher that runs CURVE is reached with its public key and this client's key pair:
+
+    Client(endpoint, curve_server_key="keys/dispatcher.key",
+           curve_client_key="keys/app.key_secret")
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import threading
 import time
 import uuid
@@ -54,16 +60,46 @@ class Result:
     stats: Stats = field(default_factory=Stats)
 
 
+def curve_keys(server_key, client_key):
+    """(public, secret, server_public) z85 keys for a CURVE client socket, or None.
+
+    `server_key`: the dispatcher's public key, a NAME.key file (`tandem keys create`) or its
+    40-character z85 text; `client_key`: this client's NAME.key_secret file (its public key
+    must be in the dispatcher's `curve_allow_dir`)."""
+    if server_key is None and client_key is None:
+        return None
+    if server_key is None or client_key is None:
+        raise ValueError("CURVE needs both curve_server_key (the dispatcher's NAME.key) and "
+                         "curve_client_key (this client's NAME.key_secret)")
+    from common import security  # noqa: PLC0415 - zmq.auth, only when CURVE is asked for
+
+    if isinstance(server_key, (str, bytes)) and len(server_key) == 40 and \
+            not os.path.exists(server_key):
+        server = server_key.encode("ascii") if isinstance(server_key, str) else server_key
+    else:
+        server = security.load_public(server_key)
+    public, secret = security.load_secret(client_key)
+    return public, secret, server
+
+
 class AsyncClient:
+    """`curve_server_key` + `curve_client_key` (paths from `tandem keys`): talk to a
+    dispatcher that runs CURVE (`--curve-secret-key`, `--curve-allow-dir`): the stream is
+    encrypted and the dispatcher lets in only allowlisted client keys."""
+
     def __init__(self, endpoint: str = DEFAULT_ENDPOINT, timeout_s: float = 300.0,
-                 limits: protocol.Limits | None = None):
+                 limits: protocol.Limits | None = None, *, curve_server_key=None,
+                 curve_client_key=None):
         self.endpoint = endpoint
         self.timeout_s = timeout_s       # default deadline of a request
         self.limits = limits or protocol.Limits()
+        keys = curve_keys(curve_server_key, curve_client_key)
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, f"client-{uuid.uuid4().hex[:12]}".encode())
         self.sock.setsockopt(zmq.LINGER, 0)
+        if keys is not None:
+            self.sock.curve_publickey, self.sock.curve_secretkey, self.sock.curve_serverkey = keys
         self.sock.connect(endpoint)
         self._rids = itertools.count(1)
         self._queues: dict[int, asyncio.Queue] = {}
@@ -120,7 +156,12 @@ class AsyncClient:
         end = time.monotonic() + deadline + 5.0   # the dispatcher enforces the deadline; this
         finished = False                          # only guards against a dead dispatcher
         try:
-            await self.sock.send_multipart(protocol.encode(msg))
+            try:   # a dispatcher never reached (down, or refusing our CURVE key) must not hang us
+                await asyncio.wait_for(self.sock.send_multipart(protocol.encode(msg)),
+                                       max(end - time.monotonic(), 0.001))
+            except asyncio.TimeoutError:
+                raise DeadlineExceeded(protocol.DEADLINE, f"could not reach the dispatcher at "
+                                                          f"{self.endpoint}") from None
             while True:
                 left = end - time.monotonic()
                 try:
@@ -149,8 +190,9 @@ class AsyncClient:
             self._queues.pop(rid, None)
             if not finished:  # the caller stopped iterating early, or we timed out: cancel
                 try:
-                    await self.sock.send_multipart(protocol.encode(protocol.Cancel(rid=rid)))
-                except zmq.ZMQError:
+                    await asyncio.wait_for(self.sock.send_multipart(
+                        protocol.encode(protocol.Cancel(rid=rid))), 1.0)
+                except (zmq.ZMQError, asyncio.TimeoutError):
                     pass
 
     async def complete(self, prompt: str | list[int], **kw) -> Result:
@@ -163,16 +205,20 @@ class AsyncClient:
 class Client:
     """Synchronous wrapper: the async client runs on a private event-loop thread."""
 
-    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, timeout_s: float = 300.0):
+    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, timeout_s: float = 300.0, *,
+                 curve_server_key=None, curve_client_key=None):
+        curve_keys(curve_server_key, curve_client_key)   # a bad key fails here, in the caller
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
                                         name="tandem-client")
         self._thread.start()
-        self._async = self._call(self._make(endpoint, timeout_s))
+        self._async = self._call(self._make(endpoint, timeout_s, curve_server_key,
+                                            curve_client_key))
 
     @staticmethod
-    async def _make(endpoint, timeout_s) -> AsyncClient:
-        return AsyncClient(endpoint, timeout_s)
+    async def _make(endpoint, timeout_s, server_key, client_key) -> AsyncClient:
+        return AsyncClient(endpoint, timeout_s, curve_server_key=server_key,
+                           curve_client_key=client_key)
 
     def _call(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()

@@ -177,6 +177,53 @@ def test_unknown_keys_cannot_connect_or_send(env, keys):
                allowed_key_raw_socket="answered")
 
 
+def test_sdk_curve_to_dispatcher(model_paths, tmp_path):
+    """The dispatcher's client-facing socket under CURVE, reached through the SDK: an
+    allowlisted key pair is answered; an unknown key, or no CURVE at all, gets no answer (the
+    SDK's own DeadlineExceeded) and its request never reaches a handler."""
+    from tandem import AsyncClient, DeadlineExceeded
+    from tandem.client import curve_keys
+
+    d = tmp_path / "keys"
+    keys_cli("create", "dispatcher", "app", "stranger", "--dir", str(d), "--allow", "app")
+    dead = f"tcp://127.0.0.1:{free_port()}"       # no cloud needed: invalid requests only
+    c = Cluster(services=("dispatcher",), ephemeral=True, logdir=tmp_path / "logs",
+                extra={"dispatcher": ["--curve-secret-key", d / "dispatcher.key_secret",
+                                      "--curve-allow-dir", d / "allowed", "--verifier", dead,
+                                      "--drafter", dead, "--prefix", dead, "--suffix", dead]})
+    server = d / "dispatcher.key"
+
+    async def ask(**curve):
+        async with AsyncClient(c.endpoint("dispatcher"), **curve) as cl:
+            try:
+                await cl.complete("hi", mode="no-such-mode", max_tokens=1, deadline_s=0.5)
+            except InvalidRequest:
+                return "answered"
+            except DeadlineExceeded:
+                return "no answer"
+        return "?"
+
+    async def all_clients():
+        return await asyncio.gather(
+            ask(curve_server_key=server, curve_client_key=d / "app.key_secret"),
+            ask(curve_server_key=security.public_key_z85(server),   # the key as z85 text
+                curve_client_key=d / "app.key_secret"),
+            ask(curve_server_key=server, curve_client_key=d / "stranger.key_secret"),
+            ask())
+
+    with rel.running(c):
+        got = asyncio.run(all_clients())
+        generate = sum(v for k, v in metric(c, "tandem_messages_total", "dispatcher").items()
+                       if 'type="generate"' in k)
+    assert got == ["answered", "answered", "no answer", "no answer"], got
+    assert generate == 2, generate     # only the allowlisted client's requests got in
+    with pytest.raises(ValueError, match="both"):
+        curve_keys(server, None)
+    rel.record("security", "CURVE client -> dispatcher (SDK)",
+               allowed_key="answered", unknown_key="no answer", plaintext="no answer",
+               reached_handler=0)
+
+
 def test_key_config_errors_are_clear(keys, tmp_path):
     def cfg(**kw):
         base = dict(curve_secret_key="", curve_allow_dir="", curve_client_key="",
