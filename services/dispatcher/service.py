@@ -204,6 +204,9 @@ class Dispatcher(Service):
         if msg.nav_thresholds is not None and (
                 len(msg.nav_thresholds) != 2 or not all(0 < r <= 1 for r in msg.nav_thresholds)):
             raise ProtocolError(protocol.BAD_FIELD, "nav_thresholds must be [R1, R2], each in (0, 1]")
+        validate = getattr(self.modes[mode], "validate", None)   # the mode's own fields (cut,
+        if validate is not None:                                  # policy): before admission too
+            validate(self, msg)
         if len(self.requests) >= self.cfg.max_sessions:
             raise ProtocolError(protocol.BUSY, f"{len(self.requests)} requests in flight")
         policy = (msg.policy or self.cfg.default_policy) if mode == "spec" else mode

@@ -123,14 +123,25 @@ class MetricHooks(Hooks):
         metrics.PROACTIVE.labels(SERVICE, outcome).inc(tokens)
 
 
-async def run(req) -> None:
-    policy = POLICIES.get(req.policy)
+def check_policy(name: str, sampling_params):
+    policy = POLICIES.get(name)
     if policy is None:
         raise ProtocolError(protocol.BAD_FIELD,
-                            f"unknown spec policy {req.policy!r}; one of {sorted(POLICIES)}")
-    if policy.name == "oracle" and not sampling.is_greedy(req.sampling):
+                            f"unknown spec policy {name!r}; one of {sorted(POLICIES)}")
+    if policy.name == "oracle" and not sampling.is_greedy(sampling_params):
         raise ProtocolError(protocol.BAD_FIELD, "the oracle policy needs greedy decoding "
                                                 "(its trigger knows the target's greedy output)")
+    return policy
+
+
+def validate(d, msg) -> None:
+    """Before admission (Dispatcher.on_generate): a bad policy is an invalid request, refused
+    like any other bad field — not admitted, not counted in tandem_requests_total."""
+    check_policy(msg.policy or d.cfg.default_policy, msg.sampling)
+
+
+async def run(req) -> None:
+    policy = check_policy(req.policy, req.sampling)
     s = SpecRun(req, policy)
     try:
         await s.run()

@@ -30,13 +30,22 @@ def num_layers(target: str) -> int:
     return int(json.loads((path / "config.json").read_text())["num_hidden_layers"])
 
 
-def choose_cut(req) -> int:
-    L = num_layers(req.d.cfg.target)
-    cut = req.msg.cut or req.d.cfg.default_cut
+def check_cut(target: str, cut: int) -> int:
+    L = num_layers(target)
     if not 1 <= cut <= L - 1:
         raise ProtocolError(protocol.BAD_FIELD, f"cut {cut} outside [1, {L - 1}]: the edge runs "
                                                 f"layers [0, cut) of the {L}-layer model")
     return cut
+
+
+def validate(d, msg) -> None:
+    """Before admission (Dispatcher.on_generate): a bad cut is an invalid request, refused like
+    any other bad field — not admitted, not counted in tandem_requests_total."""
+    check_cut(d.cfg.target, msg.cut or d.cfg.default_cut)
+
+
+def choose_cut(req) -> int:
+    return check_cut(req.d.cfg.target, req.msg.cut or req.d.cfg.default_cut)
 
 
 async def _reply(ch, kind, rec):

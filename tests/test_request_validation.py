@@ -1,0 +1,47 @@
+"""Every bad field of a GenerateRequest — the mode-specific ones (split `cut`, spec `policy`)
+included — is refused before admission: InvalidRequest (bad_field), and the request is not
+counted in tandem_requests_total (no outcome="error"), so dashboards' error rates count failed
+requests, not malformed ones. A dispatcher alone suffices: nothing is admitted."""
+
+from __future__ import annotations
+
+import re
+import urllib.request
+
+import pytest
+
+from common.launcher import Cluster
+from tandem import Client, InvalidRequest
+
+
+@pytest.fixture(scope="module")
+def dispatcher(model_paths, tmp_path_factory):
+    c = Cluster(services=("dispatcher",), ephemeral=True,
+                logdir=tmp_path_factory.mktemp("validation-logs"))
+    c.start_all()
+    try:
+        c.wait_ready(timeout=120)
+        yield c.procs["dispatcher"]
+    finally:
+        c.stop_all()
+
+
+def requests_total(proc) -> float:
+    text = urllib.request.urlopen(proc.url("/metrics"), timeout=5).read().decode()
+    return sum(float(v) for v in re.findall(r"^tandem_requests_total\{[^}]*\} (\S+)$", text, re.M))
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(mode="split", cut=99), r"cut 99 outside \[1, 29\]"),
+    (dict(mode="split", cut=30), r"cut 30 outside"),
+    (dict(mode="spec", policy="nope"), r"unknown spec policy 'nope'"),
+    (dict(mode="spec", policy="oracle", temperature=0.7), r"oracle policy needs greedy"),
+    (dict(mode="cloud-only", max_tokens=0), r"max_tokens must be"),   # the reference case
+])
+def test_bad_fields_are_refused_before_admission(dispatcher, bad, match):
+    before = requests_total(dispatcher)
+    with Client(dispatcher.endpoint, timeout_s=20) as c:
+        with pytest.raises(InvalidRequest, match=match) as e:
+            c.complete("hello", **{"max_tokens": 2, **bad})
+    assert e.value.code == "bad_field"
+    assert requests_total(dispatcher) == before
