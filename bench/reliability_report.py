@@ -4,7 +4,7 @@
     python -m bench.reliability_report --slow     # + the full chaos sweep, long load, 300-example fuzz, atheris
     python -m bench.reliability_report --render   # only re-render from the last run's figures
 
-The tests (tests/test_chaos.py, test_faults.py, test_load.py, test_fuzz.py, test_security.py)
+The tests (tests/test_chaos.py, test_partitions.py, test_faults.py, test_load.py, test_fuzz.py, test_security.py)
 write one JSON per section into $TANDEM_RELIABILITY_DIR; this script points that at its own
 directory (run/reliability-report/), clears it, runs pytest, and writes the page from what the
 tests measured — no figure on the page is typed by hand. Exit status: pytest's.
@@ -24,9 +24,9 @@ from pathlib import Path
 from bench.report import machine
 from common.models import repo_root
 
-TESTS = ["tests/test_chaos.py", "tests/test_faults.py", "tests/test_load.py",
-         "tests/test_fuzz.py", "tests/test_security.py"]
-SECTIONS = ("chaos", "faults", "load", "fuzz", "security")
+TESTS = ["tests/test_chaos.py", "tests/test_partitions.py", "tests/test_faults.py",
+         "tests/test_load.py", "tests/test_fuzz.py", "tests/test_security.py"]
+SECTIONS = ("chaos", "partitions", "faults", "load", "fuzz", "security")
 
 
 def run_tests(out: Path, slow: bool) -> tuple[int, dict]:
@@ -88,7 +88,8 @@ def _reasons(rs: list[str]) -> str:
 
 
 def render(d: dict) -> str:
-    chaos, faults, load_, fuzz, sec, run = (d[k] for k in (*SECTIONS, "run"))
+    chaos, faults, load_, fuzz, sec, run = (d[k] for k in ("chaos", "faults", "load", "fuzz",
+                                                           "security", "run"))
     m = run.get("machine") or machine()
     counts = run.get("counts", {})
     L: list[str] = ["# Reliability and security", ""]
@@ -158,6 +159,31 @@ def render(d: dict) -> str:
                   f"({v['tokens_before_error']} tokens before it); the next request after the "
                   f"link healed was served exactly."]
     L.append("")
+
+    # --- partitions and degraded mode
+    parts = d.get("partitions") or {}
+    if parts:
+        L += ["## Partitions and degraded mode (tests/test_partitions.py)", ""]
+        for name, v in parts.items():
+            k = v.get("kind")
+            if k == "wait":
+                L.append(f"* {name}: the request waited for its verifier and finished with "
+                         f"{v['tokens']} tokens identical to the reference, {v['tokens_lost']} "
+                         f"lost, in {v['wall_s']} s (replays: {_reasons(v['recovery_reasons'])}).")
+            elif k == "deadline":
+                L.append(f"* {name}: answered `{v['error']}` after {v['answered_after_s']} s "
+                         f"({v['tokens_before_error']} tokens before it), not `unavailable`.")
+            elif k == "degraded":
+                L.append(f"* {name}: {v['exact_before']} target tokens, then "
+                         f"{v['degraded_tokens']} drafter tokens marked degraded, then "
+                         f"verification resumed at index {v['resumed_at']}; the "
+                         f"{v['resumed_checked']} tokens checked after it are the target's own "
+                         f"continuation. No token lost or repeated.")
+            elif k == "orphans":
+                L.append(f"* {name}: {v['sessions']} sessions (cloud-only, spec) dropped by the "
+                         f"verifier and drafter {v['dropped_after_s']} s after the kill "
+                         f"(peer_idle_timeout_s = {v['idle_timeout_s']}).")
+        L.append("")
 
     # --- faults
     L += ["## Process faults (tests/test_faults.py)", "",

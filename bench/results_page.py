@@ -53,6 +53,19 @@ def spec_section(doc: dict, name: str) -> str:
         r.get("cloud_forwards_per_token", r.get("fwd_per_tok")),
         r.get("identical_runs", r.get("identical_to_reference", r.get("identical")))]
         for r in rows], cols))
+    if not sweep and {"pipesd", "oracle", "vanilla", "hsl", "edgellm"} <= set(by):
+        best = min(("vanilla", "hsl", "edgellm"), key=lambda p: by[p]["tpt_ms"])
+        goals = [["pipesd vs the best baseline (" + best + "), TPT ratio", ">= 1.16",
+                  by[best]["tpt_ms"] / by["pipesd"]["tpt_ms"], by[best].get("welch_t_vs_pipesd")],
+                 ["pipesd vs oracle, TPT ratio", "<= 1.15",
+                  by["pipesd"]["tpt_ms"] / by["oracle"]["tpt_ms"], by["oracle"].get("welch_t_vs_pipesd")]]
+        if "pipesd-stream" in by:
+            goals.append(["pipesd-stream vs pipesd, TPT ratio", "< 1",
+                          by["pipesd-stream"]["tpt_ms"] / by["pipesd"]["tpt_ms"],
+                          by["pipesd-stream"].get("welch_t_vs_pipesd")])
+        lines += ["", "Goals (issue #3), from the medians above; Welch's t of the other policy "
+                      "against pipesd (|t| > 2.5: significant):", ""]
+        lines.append(_md_table(goals, ["goal", "target", "this run", "Welch t"]))
     if not sweep and "vanilla" in by and by["vanilla"].get("tpt_ms"):
         base = by["vanilla"]["tpt_ms"]
         lines += ["", "Against PipeSD's published figures (S1, HumanEval), as TPT relative to "
@@ -71,6 +84,11 @@ def split_section(doc: dict, name: str) -> str:
     lines.append(_md_table([[r.get("section", r.get("kind", "")), r["scheduler"],
                              r.get("concurrency"), r["throughput_tok_s"], r.get("mean_latency_s"),
                              r.get("identical_to_reference")] for r in rows], cols))
+    goals = doc.get("goals") or {}
+    if goals:
+        lines += ["", "Goals (DySCo Table III / V; issue #4), at the highest Poisson load:", ""]
+        lines.append(_md_table([[k, v[1], v[0], v[2]] for k, v in goals.items()],
+                               ["comparison", "target %", "this run %", "Welch t"]))
     at8 = {r["scheduler"]: r["throughput_tok_s"] for r in rows
            if r.get("concurrency") == 8 and r.get("section", "poisson") == "poisson"}
     if at8.get("exact"):
@@ -95,6 +113,11 @@ def tuner_section(doc: dict, name: str) -> str:
                              r.get("identical_to_reference")] for r in doc["results"]],
                            ["search", "R1", "R2", "best in search ms", "re-measured TPT ms",
                             "spread ms (IQR)", "vs grid", "Welch t vs grid", "identical"]))
+    bo = next((r for r in doc["results"] if r["search"] == "bo"), None)
+    if bo is not None:
+        lines += ["", f"Goal (issue #3): BO within 10 % of the best grid point after "
+                      f"{doc.get('budget')} samples — this run: BO/grid = {_f(bo.get('vs_grid'))} "
+                      f"(Welch t {_f(bo.get('welch_t_vs_grid'))})."]
     return "\n".join(lines)
 
 

@@ -69,6 +69,10 @@ def test_spec_waits_through_partition_and_output_stays_exact(env, tokenizer, ref
     s.check_exactly_once()
     assert_same_tokens(ids, s.tokens, reference(ids, n), "spec through a 5 s partition")
     assert "down" in s.done.stats.get("recovery_reasons", []), s.done.stats
+    rel.record("partitions", "spec, 5 s cut partition, waits for the cloud", kind="wait",
+               partition_s=5, tokens=len(s.tokens), tokens_lost=n - len(s.tokens),
+               identical=True, wall_s=round(time.monotonic() - s.sent_at, 2),
+               recovery_reasons=s.done.stats.get("recovery_reasons", []))
 
 
 def test_spec_deadline_during_partition_is_deadline_not_unavailable(env, tokenizer):
@@ -80,8 +84,12 @@ def test_spec_deadline_during_partition_is_deadline_not_unavailable(env, tokeniz
     link.partition(9, "cut")
     assert rec.wait_end([s], timeout=30), "request hung past its deadline"
     assert s.error is not None and s.error.code == protocol.DEADLINE, s.end
-    assert time.monotonic() - s.sent_at >= 6.0   # it waited for the link, not peer_wait_s
+    waited = time.monotonic() - s.sent_at
+    assert waited >= 6.0   # it waited for the link, not peer_wait_s
     s.check_exactly_once()
+    rel.record("partitions", "spec, 9 s cut partition, 7 s deadline", kind="deadline",
+               partition_s=9, deadline_s=7, error=s.error.code, answered_after_s=round(waited, 2),
+               tokens_before_error=len(s.tokens))
     _wait_up(link, max(0.0, 9 - (time.monotonic() - t)))
 
 
@@ -126,6 +134,9 @@ def test_edge_only_during_partition_then_resumes_verification(env, tokenizer, re
     text = urllib.request.urlopen(c.procs["dispatcher"].url("/metrics"), timeout=5).read().decode()
     assert 'tandem_degraded_tokens_total{mode="spec",service="dispatcher"}' in text
     assert 'reason="resumed"' in text    # tandem_session_recoveries_total
+    rel.record("partitions", "spec with allow_edge_only, 3 s cut partition", kind="degraded",
+               partition_s=3, exact_before=len(exact), degraded_tokens=st["degraded_tokens"],
+               resumed_at=st["resumed_at"], resumed_checked=len(after), identical_after_resume=True)
 
 
 def test_dispatcher_killed_cloud_drops_its_sessions(env, tokenizer):
@@ -150,3 +161,5 @@ def test_dispatcher_killed_cloud_drops_its_sessions(env, tokenizer):
     assert took >= IDLE_S - 0.5, "dropped before the client had been silent for the timeout"
     assert _gauge(c, "verifier", "tandem_orphaned_sessions_dropped_total") >= dropped + 2
     assert _gauge(c, "drafter", "tandem_orphaned_sessions_dropped_total") >= 1
+    rel.record("partitions", "dispatcher kill -9: cloud drops its sessions", kind="orphans",
+               sessions=len(streams), idle_timeout_s=IDLE_S, dropped_after_s=round(took, 2))
