@@ -148,13 +148,27 @@ def declare_dispatcher(service: str, policies: dict[str, list[str]]) -> None:
         for outcome in PROACTIVE_OUTCOMES:
             PROACTIVE.labels(service, outcome)
         BO_EVALUATIONS.labels(service)
+        DEGRADED_TOKENS.labels(service, "spec")
+
+
+def declare_forward(service: str, phases: tuple[str, ...], token_phases: tuple[str, ...] = ()
+                    ) -> None:
+    """A model service's forward-duration (and tokens-per-call) series, at 0: a burst of
+    traffic shorter than one scrape would otherwise appear with its final value and show no
+    rate at all."""
+    for phase in phases:
+        FORWARD.labels(service, phase)
+    for phase in token_phases or phases:
+        FORWARD_TOKENS.labels(service, phase)
 
 
 def declare_verifier(service: str) -> None:
     EARLY_REJECTS.labels(service)
+    declare_forward(service, ("prefill", "decode", "verify"))
 
 
 def declare_suffix(service: str, scheduler: str) -> None:
+    declare_forward(service, ("private", "shared"), ("step",))
     for h in (SPLIT_WINDOW_SIZE, SPLIT_WINDOW_DEPTH, SPLIT_CALLS_PER_STEP, SPLIT_IDLE_GAP):
         h.labels(service, scheduler)
     QUEUE_TIME.labels(service)

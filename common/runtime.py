@@ -256,6 +256,7 @@ class Service:
             for p in self.peers:
                 p.start()
             if self._reaping:
+                metrics.ORPHANS.labels(self.name)   # the series exists, at 0, from the start
                 self.spawn(self._reap_orphans())
             self.ready = True
             metrics.UP.labels(self.name).set(1)

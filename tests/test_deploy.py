@@ -389,6 +389,9 @@ _SYNTHETIC_EXPORTER = textwrap.dedent("""
         m.PROACTIVE.labels(d, "kept").inc(3)
         m.PROACTIVE.labels(d, "discarded").inc(1)
         m.EARLY_REJECTS.labels(d).inc()
+        m.DEGRADED_TOKENS.labels(d, "spec").inc(2)
+        for svc in ("verifier", "drafter"):
+            m.ORPHANS.labels(svc).inc(0.1)
         m.DP_REPLANS.labels(d, "drift").inc()
         m.BO_EVALUATIONS.labels(d).inc()
         for sched in ("cascade", "dsb"):

@@ -103,6 +103,7 @@ class Prefix(Service):
             LayerRangeRunner, path, (0, self.c_max), dtype, self.cfg.threads or None,
             device=self.cfg.device)
         self.log.info("prefix %s: layers [0, %d) of %d, wire %s", path, self.c_max, L, self.wire)
+        metrics.declare_forward(self.name, ("prefill", "decode"))
         self.spawn(self.loop())
 
     # --- requests -------------------------------------------------------------------------------
