@@ -184,6 +184,24 @@ def run_request(c, p: str, ids: list[int], n: int, **extra) -> tuple[object, dic
     return r, r.stats
 
 
+def warm_up_tuners(c, policies: list[str], prompts: list[list[int]], n: int, most: int) -> None:
+    """Unmeasured live traffic until each policy's BO autotuner has finished its search (16
+    evaluations of >= 20 accepted tokens each), so the measured runs see the tuned thresholds,
+    as a deployment would after its first minutes, not the exploration."""
+    left = list(policies)
+    for i in range(most):
+        for p in list(left):
+            _, st = run_request(c, p, prompts[i % len(prompts)], n)
+            tuner = st.get("tuner") or {}
+            if tuner.get("state") == "settled":
+                left.remove(p)
+                print(f"# BO warm-up: {p} settled after {i + 1} requests at {st['thresholds']}",
+                      flush=True)
+        if not left:
+            return
+    print(f"# BO warm-up: {left} still exploring after {most} requests each", flush=True)
+
+
 RUN_STATS = ("acceptance_rate", "mean_draft_length", "cloud_forwards_per_token", "rounds",
              "proactive_kept", "proactive_discarded", "early_rejects", "thresholds", "window",
              "dp_plan", "alpha_s", "beta_s", "gamma_s", "oracle_reference_s", "batches")
@@ -243,8 +261,8 @@ def main(argv=None) -> int:
     ap.add_argument("--proactive-depth", type=int, default=1,
                     help="proactive rounds in flight behind the active one (PipeSD: 1)")
     ap.add_argument("--bo-warmup", type=int, default=-1,
-                    help="unmeasured pipesd requests first, so BO has evaluations to work from "
-                         "(default 8; quick 0)")
+                    help="at most this many unmeasured requests per pipesd policy first, until "
+                         "its BO autotuner has settled (default 40; quick 0)")
     args = ap.parse_args(argv)
     n = args.max_tokens or (24 if args.quick else 48)
     repeats = args.repeats or (1 if args.quick else 2)
@@ -256,7 +274,7 @@ def main(argv=None) -> int:
     uplinks = [float(x) for x in args.uplink.split(",") if x] or [None]
     if uplinks != [None] and args.scenario == "none":
         ap.error("--uplink needs an emulated link (--scenario s1, s2, s3 or lan)")
-    bo_warmup = args.bo_warmup if args.bo_warmup >= 0 else (0 if args.quick or args.no_bo else 8)
+    bo_warmup = args.bo_warmup if args.bo_warmup >= 0 else (0 if args.quick or args.no_bo else 40)
     t_start = time.monotonic()
     prompts = encode_prompts(kinds)
     runs: dict[tuple, list[dict]] = {(u, p): [] for u in uplinks for p in policies}
@@ -275,12 +293,9 @@ def main(argv=None) -> int:
             if u is not None:
                 link.set_uplink(u)
                 print(f"# uplink {u:g} Mbit/s", flush=True)
-            for i in range(bo_warmup):   # live traffic for the BO autotuner, not measured
-                for p in ("pipesd", "pipesd-stream"):
-                    if p in policies:
-                        run_request(c, p, list(prompts.values())[i % len(prompts)], n)
             if bo_warmup:
-                print(f"# BO warm-up: {bo_warmup} unmeasured requests per pipesd policy", flush=True)
+                warm_up_tuners(c, [p for p in ("pipesd", "pipesd-stream") if p in policies],
+                               list(prompts.values()), n, bo_warmup)
             label = "bench spec" + ("" if u is None else f" {u:g} Mbit/s")
             with Progress(repeats * len(prompts) * len(policies), label, tick=True) as bar:
                 for rep in range(repeats):

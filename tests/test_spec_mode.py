@@ -329,6 +329,9 @@ def test_fixed_nav_thresholds_per_request(clients, tokenizer, reference, assert_
         assert_same_tokens(ids, r.token_ids, reference(ids, MAX_TOKENS), f"thresholds {r1},{r2}")
         assert r.stats["thresholds"]["r1"] == pytest.approx(r1)
         assert r.stats["thresholds"]["r2"] == pytest.approx(r2)
+        assert "tuner" not in r.stats          # the autotuner was neither used nor fed
+    r = clients["q4_0"].complete(ids, mode="spec", policy="pipesd", max_tokens=4)
+    assert r.stats["tuner"]["state"] in ("exploring", "settled")   # BO on in this cluster
     for bad in ((0.0, 0.5), (0.5, 1.5)):
         with pytest.raises(InvalidRequest, match="nav_thresholds"):
             clients["q4_0"].complete(ids, mode="spec", max_tokens=4, nav_thresholds=bad)

@@ -536,3 +536,7 @@ class SpecRun:
             "dp_plan": list(planner.sizes),
             "alpha_s": planner.alpha, "beta_s": planner.beta, "gamma_s": planner.gamma,
         })
+        if self.policy.bo and self.cfg.spec_bo and req.msg.nav_thresholds is None:
+            tuner = self.edge.tuner(self.policy.name)   # plain attribute reads: no lock needed
+            req.stats["tuner"] = {"state": tuner.state, "evaluations": len(tuner.evaluations),
+                                  "retunes": tuner.retunes}
