@@ -110,10 +110,7 @@ class CpuQuota:
             (self.dir / "cpu.max").write_text(f"{int(period * share)} {period}")
         else:
             raise SystemExit("no cgroup cpu controller here: S2/S3 need one (run as root)")
-        (self.dir / "cgroup.procs").write_text(str(pid))
-        for task in Path(f"/proc/{pid}/task").iterdir():   # threads started before the move
-            with contextlib.suppress(OSError):
-                (self.dir / "tasks").write_text(task.name)
+        (self.dir / "cgroup.procs").write_text(str(pid))   # moves all its threads, v1 and v2
 
     def close(self) -> None:
         root = self.dir.parent

@@ -96,8 +96,14 @@ class Service:
         return ()
 
     async def drop_session(self, sid: str) -> None:
-        """Free a session whose client went away (the orphan reaper); subclasses that hold
-        sessions override this and `open_sessions`."""
+        """Free a session whose client went away (the orphan reaper) or closed it (`on_close`);
+        subclasses that hold sessions override this and `open_sessions`."""
+
+    async def on_close(self, ident: bytes, msg: protocol.Close, frames) -> None:
+        """The Close handler of every session-holding service (they route Close here): free the
+        session, then Ack — also for one already gone, so a retried Close is answered."""
+        await self.drop_session(msg.sid)
+        await self.send(ident, protocol.Ack(sid=msg.sid, seq=msg.seq, rid=msg.rid))
 
     def peer(self, name: str, endpoint: str) -> "Peer":
         p = Peer(self.ctx, endpoint, name=name, owner=self.name,

@@ -180,10 +180,6 @@ class Drafter(Service):
                 self._free(s)   # else the step in flight frees it when it ends
         metrics.SESSIONS.labels(self.name).set(len(self.sessions))
 
-    async def on_close(self, ident: bytes, msg: protocol.Close, frames) -> None:
-        await self.drop_session(msg.sid)
-        await self.send(ident, protocol.Ack(sid=msg.sid, seq=msg.seq, rid=msg.rid))
-
     def _free(self, s: Session) -> None:
         s.closed = True
         s.draft.close()

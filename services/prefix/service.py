@@ -173,10 +173,6 @@ class Prefix(Service):
             s.closed = True
         metrics.SESSIONS.labels(self.name).set(len(self.sessions))
 
-    async def on_close(self, ident: bytes, msg: protocol.Close, frames) -> None:
-        await self.drop_session(msg.sid)
-        await self.send(ident, protocol.Ack(sid=msg.sid, seq=msg.seq, rid=msg.rid))
-
     # --- the step loop --------------------------------------------------------------------------
     def step(self, batch: list[Work]) -> tuple[list[torch.Tensor], float]:
         t = time.perf_counter()

@@ -180,10 +180,6 @@ class Suffix(Service):
             self.rr.drop(sid)
         metrics.SESSIONS.labels(self.name).set(len(self.sessions))
 
-    async def on_close(self, ident: bytes, msg: protocol.Close, frames) -> None:
-        await self.drop_session(msg.sid)
-        await self.send(ident, protocol.Ack(sid=msg.sid, seq=msg.seq, rid=msg.rid))
-
     def unqueue(self, sid: str) -> None:
         if self.pending.pop(sid, None) is not None:
             self.builder.pending = type(self.builder.pending)(

@@ -176,10 +176,6 @@ class Verifier(Service):
     async def drop_session(self, sid: str) -> None:
         self.drop(sid)
 
-    async def on_close(self, ident: bytes, msg: protocol.Close, frames) -> None:
-        self.drop(msg.sid)
-        await self.send(ident, protocol.Ack(sid=msg.sid, seq=msg.seq, rid=msg.rid))
-
     # --- the engine loop ------------------------------------------------------------------------
     def plan_step(self) -> list[tuple[EngineSession, Work]]:
         budget = self.cfg.max_batch_tokens
