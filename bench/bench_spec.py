@@ -15,7 +15,7 @@ as `docker run --cpus` does). `--uplink` sweeps the uplink bandwidth: the proxy 
 time and every policy runs at every bandwidth, in one run with one set of processes.
 
 Per policy: TPT (request wall time / tokens, PipeSD's headline figure) median and spread (IQR) over
-prompts x repeats, Welch's t of its TPT against pipesd's (|t| > 2.5: significant), acceptance rate, mean draft length, verifier forward passes per emitted token,
+prompts x repeats, the workload's TPT (all requests' time / all their tokens) and its mean per prompt, Welch's t of its TPT against pipesd's (|t| > 2.5: significant), acceptance rate, mean draft length, verifier forward passes per emitted token,
 proactive tokens kept / discarded, early rejects, and whether the greedy output is identical to
 transformers' generate(do_sample=False) on the target (the reference). Requests of different
 policies are interleaved so drift in machine load spreads over all of them. The BO autotuner of
@@ -183,7 +183,7 @@ def run_request(c, p: str, ids: list[int], n: int, **extra) -> tuple[object, dic
 
 def warm_up_tuners(c, policies: list[str], prompts: list[list[int]], n: int, most: int) -> None:
     """Unmeasured live traffic until each policy's BO autotuner has finished its search (16
-    evaluations of >= 20 accepted tokens each), so the measured runs see the tuned thresholds,
+    evaluations of a window of accepted tokens each; 96 by default), so the measured runs see the tuned thresholds,
     as a deployment would after its first minutes, not the exploration."""
     left = list(policies)
     for i in range(most):
@@ -217,8 +217,14 @@ def policy_rows(runs: dict[str, list[dict]], **fields) -> list[dict]:
         def mean(key):
             v = [x[key] for x in rs if x.get(key) is not None]
             return statistics.fmean(v) if v else None
+        prompts = dict.fromkeys(x["prompt"] for x in rs)
         rows.append({**fields, "policy": p, "tpt_ms": tpt["median"], "tpt_ms_spread": tpt["iqr"],
                      "tpt_ms_min": tpt["min"], "tpt_ms_max": tpt["max"],
+                     # the whole workload's time / tokens (every request asks the same count)
+                     "tpt_ms_workload": statistics.fmean(ms),
+                     "tpt_ms_by_prompt": {k: statistics.fmean(m for x, m in zip(rs, ms)
+                                                              if x["prompt"] == k)
+                                          for k in prompts},
                      "welch_t_vs_pipesd": welch_t(ms, ref) if p != "pipesd" and ref else None,
                      "acceptance_rate": mean("acceptance_rate"),
                      "mean_draft_length": mean("mean_draft_length"),
@@ -237,6 +243,7 @@ def policy_rows(runs: dict[str, list[dict]], **fields) -> list[dict]:
 
 
 COLUMNS = [("policy", "policy"), ("tpt_ms", "TPT median ms"), ("tpt_ms_spread", "IQR"),
+           ("tpt_ms_workload", "workload ms"),
            ("tpt_ms_min", "min"), ("tpt_ms_max", "max"), ("welch_t_vs_pipesd", "t vs pipesd"),
            ("speedup_vs_cloud_only", "vs cloud-only"), ("acceptance_rate", "acceptance"),
            ("mean_draft_length", "draft len"), ("cloud_forwards_per_token", "cloud fwd/token"),
@@ -259,7 +266,7 @@ def main(argv=None) -> int:
                     help="proactive rounds in flight behind the active one (PipeSD: 1)")
     ap.add_argument("--bo-warmup", type=int, default=-1,
                     help="at most this many unmeasured requests per pipesd policy first, until "
-                         "its BO autotuner has settled (default 40; quick 0)")
+                         "its BO autotuner has settled (default 60; quick 0)")
     args = ap.parse_args(argv)
     n = args.max_tokens or (24 if args.quick else 48)
     repeats = args.repeats or (1 if args.quick else 2)
@@ -271,7 +278,7 @@ def main(argv=None) -> int:
     uplinks = [float(x) for x in args.uplink.split(",") if x] or [None]
     if uplinks != [None] and args.scenario == "none":
         ap.error("--uplink needs an emulated link (--scenario s1, s2, s3 or lan)")
-    bo_warmup = args.bo_warmup if args.bo_warmup >= 0 else (0 if args.quick or args.no_bo else 40)
+    bo_warmup = args.bo_warmup if args.bo_warmup >= 0 else (0 if args.quick or args.no_bo else 60)
     t_start = time.monotonic()
     prompts = encode_prompts(kinds)
     runs: dict[tuple, list[dict]] = {(u, p): [] for u in uplinks for p in policies}

@@ -53,6 +53,20 @@ def welch_t(a: list[float], b: list[float]) -> float:
     return (statistics.fmean(a) - statistics.fmean(b)) / math.sqrt(va + vb)
 
 
+def paired_ratio(a: list[float], b: list[float]) -> dict:
+    """a/b trial by trial, for conditions run on the same inputs (the split bench's trials share
+    their seeded arrivals across schedulers): mean ratio, its t against 1 (|t| > 2.5:
+    significant), and how many trials a won."""
+    r = [x / y for x, y in zip(a, b)]
+    n = len(r)
+    if n < 2:
+        return {"n": n, "mean_ratio": r[0] if r else float("nan"), "t": float("nan"), "wins": 0}
+    sd = statistics.stdev(r)
+    m = statistics.fmean(r)
+    t = (m - 1) / (sd / math.sqrt(n)) if sd else (float("inf") if m != 1 else 0.0)
+    return {"n": n, "mean_ratio": m, "t": t, "wins": sum(x > 1 for x in r)}
+
+
 def write_json(path: str | None, bench: str, scenario: str, results: list[dict], **extra) -> dict:
     doc = {"bench": bench, "scenario": scenario, "machine": machine(),
            "command": "python -m " + " ".join([_module_name(), *sys.argv[1:]]),

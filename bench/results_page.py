@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from bench.plots import plot, split_rows
+from bench.report import paired_ratio
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "results"
@@ -63,9 +64,21 @@ def spec_section(doc: dict, name: str) -> str:
             goals.append(["pipesd-stream vs pipesd, TPT ratio", "< 1",
                           by["pipesd-stream"]["tpt_ms"] / by["pipesd"]["tpt_ms"],
                           by["pipesd-stream"].get("welch_t_vs_pipesd")])
+        if all(by[p].get("tpt_ms_workload") for p in ("pipesd", "vanilla", "hsl", "edgellm")):
+            wbest = min(("vanilla", "hsl", "edgellm"), key=lambda p: by[p]["tpt_ms_workload"])
+            goals.insert(1, [f"the same on the workload's TPT (all time / all tokens; best "
+                             f"baseline {wbest})", ">= 1.16",
+                             by[wbest]["tpt_ms_workload"] / by["pipesd"]["tpt_ms_workload"], None])
         lines += ["", "Goals (issue #3), from the medians above; Welch's t of the other policy "
                       "against pipesd (|t| > 2.5: significant):", ""]
         lines.append(_md_table(goals, ["goal", "target", "this run", "Welch t"]))
+    kinds = list(rows[0].get("tpt_ms_by_prompt") or {}) if rows and not sweep else []
+    if kinds:
+        lines += ["", "Mean TPT ms per prompt (the median above sits on the middle prompt; "
+                      "which baseline is best changes from prompt to prompt):", ""]
+        lines.append(_md_table([[r["policy"], r.get("tpt_ms_workload")]
+                                + [r["tpt_ms_by_prompt"].get(k) for k in kinds] for r in rows],
+                               ["policy", "workload"] + kinds))
     if not sweep and "vanilla" in by and by["vanilla"].get("tpt_ms"):
         base = by["vanilla"]["tpt_ms"]
         lines += ["", "Against PipeSD's published figures (S1, HumanEval), as TPT relative to "
@@ -84,6 +97,28 @@ def split_section(doc: dict, name: str) -> str:
     lines.append(_md_table([[r.get("section", r.get("kind", "")), r["scheduler"],
                              r.get("concurrency"), r["throughput_tok_s"], r.get("mean_latency_s"),
                              r.get("identical_to_reference")] for r in rows], cols))
+    paired = []
+    for section in doc["results"]:
+        def condition(r):   # what a row was run under: a Poisson load, a fleet, a context
+            return next((f"{k} {r[k]}" for k in ("load", "fleet", "context") if k in r), "")
+        by = {(condition(r), r.get("scheduler", r.get("variant"))): r
+              for r in section.get("rows", []) if r.get("trials")}
+        for (load, s), r in by.items():
+            base = by.get((load, "dsb"))
+            if s != "cascade" or base is None or len(r["trials"]) != len(base["trials"]):
+                continue
+            tp = paired_ratio([t["throughput"] for t in r["trials"]],
+                              [t["throughput"] for t in base["trials"]])
+            lat = paired_ratio([t["latency"] for t in r["trials"]],
+                               [t["latency"] for t in base["trials"]])
+            paired.append([section.get("section"), load, tp["n"], tp["mean_ratio"], tp["t"],
+                           tp["wins"], lat["mean_ratio"], lat["n"] - lat["wins"]])
+    if paired:
+        lines += ["", "cascade against dsb trial by trial (each trial's arrivals and prompts are "
+                      "the same for both schedulers):", ""]
+        lines.append(_md_table(paired, ["section", "condition", "trials", "throughput ratio",
+                                        "paired t", "trials won", "latency ratio",
+                                        "trials with lower latency"]))
     goals = doc.get("goals") or {}
     if goals:
         lines += ["", "Goals (DySCo Table III / V; issue #4), at the highest Poisson load:", ""]
@@ -118,6 +153,20 @@ def tuner_section(doc: dict, name: str) -> str:
         lines += ["", f"Goal (issue #3): BO within 10 % of the best grid point after "
                       f"{doc.get('budget')} samples — this run: BO/grid = {_f(bo.get('vs_grid'))} "
                       f"(Welch t {_f(bo.get('welch_t_vs_grid'))})."]
+    return "\n".join(lines)
+
+
+def runner_section(doc: dict, name: str) -> str:
+    lines = [f"### LayerRangeRunner against transformers — `{name}` ({doc.get('threads')} threads, "
+             f"scenario `{doc.get('scenario')}`)", "",
+             "Median over reps with the range; ratios taken per rep (paired). Goals from the "
+             "foundation issue.", ""]
+    lines.append(_md_table([[r["case"], r["median"], r["min"], r["max"], r["unit"], r["goal"]]
+                            for r in doc["results"]],
+                           ["case", "median", "min", "max", "unit", "goal"]))
+    if doc.get("gemm"):
+        lines += ["", "LM head 49152x576, ms by method and rows:", "",
+                  _md_table([list(g.values()) for g in doc["gemm"]], list(doc["gemm"][0]))]
     return "\n".join(lines)
 
 
@@ -158,7 +207,7 @@ def main(argv=None) -> int:
         if doc.get("note"):
             parts += [f"Note: {doc['note']}", ""]
         section = {"spec": spec_section, "split": split_section,
-                   "tuner": tuner_section}.get(doc["bench"], generic_section)
+                   "tuner": tuner_section, "runner": runner_section}.get(doc["bench"], generic_section)
         parts += [section(doc, f.stem), ""]
         if doc["bench"] in ("spec", "split", "overhead", "tuner"):
             png = plot(doc, img / f"{f.stem}.png")

@@ -15,24 +15,29 @@ candidate is its mean time per accepted token,
 
     TPT = Σ elapsed / Σ accepted tokens,
 
-accumulated over rounds until at least ``min_tokens`` (20) tokens were accepted.  The optimizer is
+accumulated over rounds until at least ``min_tokens`` tokens were accepted (DESIGN's floor is
+20; the dispatcher uses 96, ``spec_bo_window_tokens``: on live traffic a window's TPT moves ±20 %
+with the text being generated, plain prose vs code, more than between good and poor thresholds,
+and longer windows average that out).  The optimizer is
 told ln(TPT), not TPT: ξ = 0.1 then means "an improvement of ≈10 %" whatever the time unit or the
 speed of the deployment (on raw seconds, ξ = 0.1 s dwarfs a TPT of tens of milliseconds and EI
 degenerates into pure exploration; measured here, it also makes skopt's GP fit ~5× slower).
 
-Settling.  After ``n_calls`` evaluations the tuner settles on the best evaluated point (lowest
-TPT).  The minimum of 16 noisy evaluations is biased low, so the drift reference is re-measured:
+Settling.  After ``n_calls`` evaluations the tuner settles on the evaluated point with the lowest
+GP posterior mean, not the lowest measured TPT: the GP models the noise (skopt's GP has a white
+noise term), so a lucky window among poor neighbours ranks below a region that was good every
+time.  Either way the chosen value is biased low, so the drift reference is re-measured:
 the first ``drift_baseline_windows`` windows (≥ min_tokens each) at the settled point set
 ``reference_tpt``.  Afterwards each window updates ``ewma ← (1 − w)·ewma + w·TPT_window``; when
 ``|ewma − reference| / reference > drift_fraction`` (25 %) and the window's own TPT is out of
 that band too, for ``drift_patience`` consecutive windows, conditions have changed and a new
 search starts (either direction: a faster link may favour other thresholds).  Requiring the
 window itself out of band keeps one outlier, which lingers in the EWMA, from re-tuning.  The new search is warm-started by
-re-measuring the previous search's ``warm_start_points`` best points first (old TPT values are
+re-measuring the previous search's ``warm_start_points`` best points (by posterior mean) first (old TPT values are
 stale after a drift, so they are re-evaluated, not re-used).
 
 Cost.  One evaluation's tell + ask (GP fit, acquisition optimisation) takes ~20-40 ms of CPU
-on one core, once per ≥ 20 accepted tokens; BLAS is held to one thread meanwhile (OpenBLAS
+on one core, once per window; BLAS is held to one thread meanwhile (OpenBLAS
 threads on 16×16 matrices spin: measured 7× more CPU with two threads).  A latency-sensitive
 caller runs ``record`` off its event loop.
 
@@ -70,7 +75,7 @@ class BOConfig:
     n_calls: int = 16                  # evaluations per search before settling
     n_initial_points: int = 5          # space-filling evaluations before the GP drives (defaults included)
     xi: float = 0.1                    # EI exploration margin ξ, in ln(TPT) units (≈ relative improvement)
-    min_tokens: int = 20               # accepted tokens per evaluation window
+    min_tokens: int = 20               # accepted tokens per evaluation window (DESIGN's floor; dispatcher: 96)
     default_r1: float = DEFAULT_R1     # R1 used first (and until the first evaluation completes)
     default_r2: float = DEFAULT_R2     # R2 used first
     random_state: int = 0              # seed of the optimizer (reproducible searches)
@@ -198,7 +203,8 @@ class BOTuner:
         with warnings.catch_warnings(), threadpool_limits(limits=c.blas_threads):
             warnings.simplefilter("ignore")     # sklearn's GP convergence chatter
             # the final tell needs no model fit: nothing more is asked
-            self._opt.tell([r1, r2], y, fit=not done and not self._pending)
+            # the final tell fits the GP too: settling ranks the evaluations by its posterior
+            self._opt.tell([r1, r2], y, fit=done or not self._pending)
             if done:
                 self._settle()
             elif self._pending:
@@ -208,12 +214,26 @@ class BOTuner:
                 self._current = (_clamp(x[0]), _clamp(x[1]))
 
     def _settle(self) -> None:
-        self.best = min(self.evaluations, key=lambda e: e.tpt)
+        self.best = self._ranked()[0]
         self._current = (self.best.r1, self.best.r2)
         self.state = SETTLED
         self.reference_tpt = self.ewma_tpt = None
         self._baseline = []
         self._out_of_band = 0
+
+    def _ranked(self) -> list[Evaluation]:
+        """The current search's evaluations, best first, by the GP's posterior mean at each
+        (noise-aware: a lucky window next to poor ones ranks below a consistently good region);
+        by the measured TPT when no model has been fitted yet (fewer evaluations than the
+        initial points)."""
+        evals = list(self.evaluations)
+        if not self._opt.models:
+            return sorted(evals, key=lambda e: e.tpt)
+        with warnings.catch_warnings(), threadpool_limits(limits=self.config.blas_threads):
+            warnings.simplefilter("ignore")
+            mu = self._opt.models[-1].predict(self._opt.space.transform([[e.r1, e.r2] for e in evals]))
+        order = np.argsort(mu, kind="stable")
+        return [evals[i] for i in order]
 
     def _track(self, tpt: float) -> None:
         c = self.config
@@ -229,7 +249,7 @@ class BOTuner:
         self._out_of_band = self._out_of_band + 1 if out else 0
         if c.retune and self._out_of_band >= c.drift_patience:
             self.retunes += 1
-            ranked = sorted(self.evaluations, key=lambda e: e.tpt)
+            ranked = self._ranked()
             warm: list[tuple[float, float]] = []
             for e in ranked:
                 if (e.r1, e.r2) not in warm:

@@ -21,6 +21,7 @@ class DispatcherConfig(ServiceConfig):
     spec_r1: float = 0.90                         # dual-threshold R1 (cumulative) before/without tuning
     spec_r2: float = 0.94                         # dual-threshold R2 (single token); HSL's threshold too
     spec_bo: bool = True                          # BO autotuner moves (R1, R2) of the pipesd policies on live traffic
+    spec_bo_window_tokens: int = 96               # accepted tokens per autotuner evaluation (longer: less prompt-to-prompt noise, slower search)
     spec_max_draft: int = 64                      # cap on draft tokens per round (every threshold policy)
     spec_fixed_length: int = 8                    # draft length N of the vanilla policy
     spec_proactive_depth: int = 1                 # proactive rounds in flight behind the active one (PipeSD: 1)

@@ -77,7 +77,8 @@ class Edge:
     def tuner(self, policy: str) -> BOTuner:
         if policy not in self.tuners:
             self.tuners[policy] = BOTuner(BOConfig(default_r1=self.cfg.spec_r1,
-                                                   default_r2=self.cfg.spec_r2))
+                                                   default_r2=self.cfg.spec_r2,
+                                                   min_tokens=self.cfg.spec_bo_window_tokens))
         return self.tuners[policy]
 
 
@@ -166,6 +167,7 @@ class SpecRun:
         self.edge_only = False
         self.verifier_ready_s = None
         self.last_commit = 0.0
+        self.committed_once = False
         self.bo_tasks: set[asyncio.Task] = set()
         self.sm: SpecRounds | None = None
         # the verifier session: replica, id and inbox tag change when it is replayed
@@ -404,10 +406,15 @@ class SpecRun:
         await self.vch.send(msg, buffers)
 
     def _bo(self, tokens: int) -> None:
-        """Feed the autotuner: wall time since the last commit, tokens this commit emitted."""
+        """Feed the autotuner: wall time since the last commit, tokens this commit emitted.
+        The first commit of a request is left out: its time is mostly the prompt's prefill
+        (verifier and drafter), which no threshold changes and which differs from prompt to
+        prompt — counted, it was the largest noise in the tuner's windows."""
         now = time.monotonic()
         elapsed, self.last_commit = now - self.last_commit, now
-        if not (self.policy.bo and self.cfg.spec_bo) or self.req.msg.nav_thresholds is not None:
+        first, self.committed_once = not self.committed_once, True
+        if (first or not (self.policy.bo and self.cfg.spec_bo)
+                or self.req.msg.nav_thresholds is not None):
             return
         tuner = self.edge.tuner(self.policy.name)
         trigger = self.sm.trigger
