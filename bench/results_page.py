@@ -92,6 +92,18 @@ def spec_section(doc: dict, name: str) -> str:
 def split_section(doc: dict, name: str) -> str:
     rows = [r for r in split_rows(doc) if r.get("scheduler") and r.get("throughput_tok_s") is not None]
     lines = [f"### Split mode — `{name}` (scenario `{doc.get('scenario')}`)", ""]
+    wire = [r for sec in doc["results"] if sec.get("section") == "wire" for r in sec["rows"]]
+    if wire:
+        lines += ["Hidden states rounded to a 16-bit dtype on the wire vs float32, greedy tokens "
+                  "at every cut:", ""]
+        lines.append(_md_table([[r["dtype"], r["pairs"],
+                                 r["pairs"] - len({(c, p) for c, p, _ in r["differing"]}),
+                                 r["differing"] or "none"] for r in wire],
+                               ["wire dtype", "(cut, prompt) pairs", "identical to float32",
+                                "differing (cut, prompt, first token)"]))
+        if not rows:
+            return "\n".join(lines)
+        lines.append("")
     cols = ["section", "scheduler", "load / fleet / context", "throughput tok/s",
             "mean latency s", "identical to reference"]
     lines.append(_md_table([[r.get("section", r.get("kind", "")), r["scheduler"],
@@ -209,7 +221,9 @@ def main(argv=None) -> int:
         section = {"spec": spec_section, "split": split_section,
                    "tuner": tuner_section, "runner": runner_section}.get(doc["bench"], generic_section)
         parts += [section(doc, f.stem), ""]
-        if doc["bench"] in ("spec", "split", "overhead", "tuner"):
+        drawable = doc["bench"] != "split" or any(
+            r.get("throughput_tok_s") is not None for r in split_rows(doc))
+        if doc["bench"] in ("spec", "split", "overhead", "tuner") and drawable:
             png = plot(doc, img / f"{f.stem}.png")
             parts += [f"![{f.stem}](img/{png.name})", ""]
     PAGE.write_text("\n".join(parts))

@@ -115,9 +115,9 @@ def load(cls: type, service: str, argv: list[str] | None = None, env: dict | Non
             values[name] = getattr(args, name)
     try:
         converted = {k: _convert(hints[k], v) for k, v in values.items()}
+        cfg = cls(**converted)
     except ValueError as e:
         raise SystemExit(f"bad {service} setting: {e}") from None
-    cfg = cls(**converted)
     if isinstance(cfg, ServiceConfig):
         zmq_port, http_port = DEFAULT_PORTS.get(service, (0, 0))
         if not cfg.bind:

@@ -202,7 +202,6 @@ class BOTuner:
         y = math.log(max(tpt, 1e-12))
         with warnings.catch_warnings(), threadpool_limits(limits=c.blas_threads):
             warnings.simplefilter("ignore")     # sklearn's GP convergence chatter
-            # the final tell needs no model fit: nothing more is asked
             # the final tell fits the GP too: settling ranks the evaluations by its posterior
             self._opt.tell([r1, r2], y, fit=done or not self._pending)
             if done:

@@ -35,3 +35,15 @@ class DispatcherConfig(ServiceConfig):
     recovery_wait_s: float = 0.0                  # a session that lost its cloud replica waits this long for one to come back; 0 = until its deadline
     client_max_sessions: int = 0                  # requests one client may have in flight (busy beyond); 0 = no limit
     client_max_tokens: int = 0                    # prompt + max_tokens one client may have in flight; 0 = no limit
+
+    def __post_init__(self) -> None:
+        # settings a request would otherwise trip over mid-stream: refused at start-up instead
+        for name in ("spec_lookahead", "spec_max_draft", "spec_fixed_length",
+                     "spec_proactive_depth", "spec_bo_window_tokens", "max_new_tokens"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 1 <= int(self.spec_q_width) <= 64:
+            raise ValueError(f"spec_q_width must be in 1..64, got {self.spec_q_width}")
+        if not (0 < self.spec_r1 <= 1 and 0 < self.spec_r2 <= 1):
+            raise ValueError(f"spec_r1 and spec_r2 must be in (0, 1], got {self.spec_r1}, "
+                             f"{self.spec_r2}")
