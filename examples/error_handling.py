@@ -28,10 +28,17 @@ with Client(ENDPOINT) as c:
     else:
         print("a good request succeeds")
 
-# Nothing listens here: ZMQ queues the request and waits, and the client gives up at
-# deadline + 5 s with DeadlineExceeded ("no answer from the dispatcher at ...").
-with Client("tcp://127.0.0.1:9", timeout_s=1) as dead:
+# Nothing listens here: the request cannot be sent, and the client says so after
+# connect_timeout_s (default 10 s) with Unavailable ("no dispatcher reachable at ...").
+with Client("tcp://127.0.0.1:9", connect_timeout_s=1) as dead:
     try:
-        dead.complete("Hello", max_tokens=4, deadline_s=0.5)
-    except DeadlineExceeded as e:
+        dead.complete("Hello", max_tokens=4)
+    except Unavailable as e:
         print(f"dispatcher down: {e.message}")
+
+# A request that outlives its deadline ends with DeadlineExceeded (tokens streamed so far stay).
+with Client(ENDPOINT) as c:
+    try:
+        c.complete("Hello", max_tokens=2000, stop_at_eos=False, deadline_s=0.5)
+    except DeadlineExceeded as e:
+        print(f"deadline: {e.message}")

@@ -34,7 +34,7 @@ import zmq
 import zmq.asyncio
 
 from common import protocol
-from tandem.errors import Cancelled, DeadlineExceeded, TandemError, error_from_code
+from tandem.errors import Cancelled, DeadlineExceeded, TandemError, Unavailable, error_from_code
 from tandem.stats import Stats
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5550"
@@ -89,15 +89,17 @@ class AsyncClient:
 
     def __init__(self, endpoint: str = DEFAULT_ENDPOINT, timeout_s: float = 300.0,
                  limits: protocol.Limits | None = None, *, curve_server_key=None,
-                 curve_client_key=None):
+                 curve_client_key=None, connect_timeout_s: float = 10.0):
         self.endpoint = endpoint
         self.timeout_s = timeout_s       # default deadline of a request
+        self.connect_timeout_s = connect_timeout_s   # no dispatcher connected by then: Unavailable
         self.limits = limits or protocol.Limits()
         keys = curve_keys(curve_server_key, curve_client_key)
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, f"client-{uuid.uuid4().hex[:12]}".encode())
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.IMMEDIATE, 1)   # queue only to a connected (and authenticated) peer
         if keys is not None:
             self.sock.curve_publickey, self.sock.curve_secretkey, self.sock.curve_serverkey = keys
         self.sock.connect(endpoint)
@@ -156,12 +158,15 @@ class AsyncClient:
         end = time.monotonic() + deadline + 5.0   # the dispatcher enforces the deadline; this
         finished = False                          # only guards against a dead dispatcher
         try:
-            try:   # a dispatcher never reached (down, or refusing our CURVE key) must not hang us
-                await asyncio.wait_for(self.sock.send_multipart(protocol.encode(msg)),
-                                       max(end - time.monotonic(), 0.001))
+            # A DEALER's send waits until a dispatcher is connected: one that is not running,
+            # or refuses our CURVE key, must not hold the caller for the whole deadline.
+            wait = min(max(end - time.monotonic(), 0.001), self.connect_timeout_s)
+            try:
+                await asyncio.wait_for(self.sock.send_multipart(protocol.encode(msg)), wait)
             except asyncio.TimeoutError:
-                raise DeadlineExceeded(protocol.DEADLINE, f"could not reach the dispatcher at "
-                                                          f"{self.endpoint}") from None
+                raise Unavailable(protocol.UNAVAILABLE, f"no dispatcher reachable at "
+                                  f"{self.endpoint} within {wait:.3g} s (not running, or not "
+                                  f"accepting this client's CURVE key)") from None
             while True:
                 left = end - time.monotonic()
                 try:
@@ -206,19 +211,19 @@ class Client:
     """Synchronous wrapper: the async client runs on a private event-loop thread."""
 
     def __init__(self, endpoint: str = DEFAULT_ENDPOINT, timeout_s: float = 300.0, *,
-                 curve_server_key=None, curve_client_key=None):
+                 curve_server_key=None, curve_client_key=None, connect_timeout_s: float = 10.0):
         curve_keys(curve_server_key, curve_client_key)   # a bad key fails here, in the caller
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
                                         name="tandem-client")
         self._thread.start()
         self._async = self._call(self._make(endpoint, timeout_s, curve_server_key,
-                                            curve_client_key))
+                                            curve_client_key, connect_timeout_s))
 
     @staticmethod
-    async def _make(endpoint, timeout_s, server_key, client_key) -> AsyncClient:
+    async def _make(endpoint, timeout_s, server_key, client_key, connect_s) -> AsyncClient:
         return AsyncClient(endpoint, timeout_s, curve_server_key=server_key,
-                           curve_client_key=client_key)
+                           curve_client_key=client_key, connect_timeout_s=connect_s)
 
     def _call(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()

@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from common.launcher import Cluster
-from tandem import AsyncClient, Client, DeadlineExceeded, InvalidRequest
+from common.launcher import Cluster, free_port
+from tandem import AsyncClient, Client, DeadlineExceeded, InvalidRequest, Unavailable
 from tests.conftest import PROMPTS, long_prompt
 
 
@@ -87,6 +87,16 @@ def test_cancel_by_closing_the_stream_and_service_keeps_serving(client):
     assert first.index == 0
     r = client.complete("Hello", max_tokens=3, stop_at_eos=False)
     assert len(r.token_ids) == 3
+
+
+def test_no_dispatcher_is_unavailable_within_the_connect_timeout():
+    """Nothing listening: the SDK says so after connect_timeout_s, not after the whole deadline
+    (a DEALER queues a request for a peer that may never come)."""
+    t = time.monotonic()
+    with Client(f"tcp://127.0.0.1:{free_port()}", connect_timeout_s=1.0) as c:
+        with pytest.raises(Unavailable, match="no dispatcher reachable"):
+            c.complete("hi", max_tokens=1)
+    assert time.monotonic() - t < 5
 
 
 def test_deadline(client):

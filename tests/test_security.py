@@ -180,8 +180,8 @@ def test_unknown_keys_cannot_connect_or_send(env, keys):
 def test_sdk_curve_to_dispatcher(model_paths, tmp_path):
     """The dispatcher's client-facing socket under CURVE, reached through the SDK: an
     allowlisted key pair is answered; an unknown key, or no CURVE at all, gets no answer (the
-    SDK's own DeadlineExceeded) and its request never reaches a handler."""
-    from tandem import AsyncClient, DeadlineExceeded
+    SDK's own Unavailable: no dispatcher reachable) and its request never reaches a handler."""
+    from tandem import AsyncClient, DeadlineExceeded, Unavailable
     from tandem.client import curve_keys
 
     d = tmp_path / "keys"
@@ -199,8 +199,10 @@ def test_sdk_curve_to_dispatcher(model_paths, tmp_path):
                 await cl.complete("hi", mode="no-such-mode", max_tokens=1, deadline_s=0.5)
             except InvalidRequest:
                 return "answered"
-            except DeadlineExceeded:
+            except Unavailable:
                 return "no answer"
+            except DeadlineExceeded:
+                return "sent, never answered"
         return "?"
 
     async def all_clients():
