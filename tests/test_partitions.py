@@ -8,9 +8,9 @@ Spec mode through a WAN partition of the dispatcher -> verifier link (common/wan
   is down, and when it heals the session resumes verification from everything streamed so far
   (the tokens after that are the target's own again), every token once.
 
-The dispatcher killed with SIGKILL: nobody closes its sessions, so the verifier and the drafter
-drop them once its heartbeats have been silent for peer_idle_timeout_s (2 s here), instead of
-generating to max_tokens and holding KV caches / llama contexts for nobody.
+The dispatcher killed with SIGKILL: nobody closes its sessions, so the verifier, the drafter, the
+prefix and the suffix drop them once its heartbeats have been silent for peer_idle_timeout_s (2 s
+here), instead of generating to max_tokens and holding KV caches / llama contexts for nobody.
 """
 
 from __future__ import annotations
@@ -25,15 +25,16 @@ from common.launcher import Cluster
 from tests import _reliability as rel
 from tests.conftest import PROMPTS
 
-IDLE_S = 2.0      # peer_idle_timeout_s of the verifier and the drafter
+IDLE_S = 2.0      # peer_idle_timeout_s of the cloud services and the drafter
+HOLDERS = ("verifier", "drafter", "prefix", "suffix")   # services that hold sessions
 
 
 @pytest.fixture(scope="module")
 def env(model_paths, tmp_path_factory):
     reap = ["--peer-idle-timeout-s", str(IDLE_S)]
-    c = Cluster(services=("verifier", "drafter", "dispatcher"), ephemeral=True,
+    c = Cluster(services=HOLDERS + ("dispatcher",), ephemeral=True,
                 logdir=tmp_path_factory.mktemp("partition-logs"),
-                extra={"verifier": rel.ONE_THREAD + reap, "drafter": rel.ONE_THREAD + reap,
+                extra={**{svc: rel.ONE_THREAD + reap for svc in HOLDERS},
                        "dispatcher": rel.FAST_PEERS + ["--stall-s", "4", "--peer-wait-s", "2",
                                                        "--spec-bo", "false"]})
     link = rel.Link(c.endpoint("verifier"))
@@ -144,22 +145,25 @@ def test_dispatcher_killed_cloud_drops_its_sessions(env, tokenizer):
     c, link, rec = env
     ids = tokenizer.encode(PROMPTS["plain"])
     streams = [rec.generate(ids, 1000, deadline_s=300, mode=m, **kw)
-               for m, kw in (("cloud-only", {}), ("spec", {"policy": "pipesd"}))]
+               for m, kw in (("cloud-only", {}), ("spec", {"policy": "pipesd"}),
+                             ("split", {"cut": 6}))]
     assert all(rec.wait_tokens(s, 3) for s in streams)
     assert _gauge(c, "verifier", "tandem_sessions") >= 2
-    dropped = _gauge(c, "verifier", "tandem_orphaned_sessions_dropped_total")
+    assert _gauge(c, "prefix", "tandem_sessions") >= 1 and _gauge(c, "suffix", "tandem_sessions") >= 1
+    dropped = {svc: _gauge(c, svc, "tandem_orphaned_sessions_dropped_total") for svc in HOLDERS}
     c.kill("dispatcher")
     t = time.monotonic()
     left = {}
     while time.monotonic() - t < IDLE_S + 6:
-        left = {svc: _gauge(c, svc, "tandem_sessions") for svc in ("verifier", "drafter")}
+        left = {svc: _gauge(c, svc, "tandem_sessions") for svc in HOLDERS}
         if not any(left.values()):
             break
         time.sleep(0.25)
     took = time.monotonic() - t
     assert not any(left.values()), f"sessions left {took:.1f} s after the kill: {left}"
     assert took >= IDLE_S - 0.5, "dropped before the client had been silent for the timeout"
-    assert _gauge(c, "verifier", "tandem_orphaned_sessions_dropped_total") >= dropped + 2
-    assert _gauge(c, "drafter", "tandem_orphaned_sessions_dropped_total") >= 1
+    now = {svc: _gauge(c, svc, "tandem_orphaned_sessions_dropped_total") for svc in HOLDERS}
+    assert now["verifier"] >= dropped["verifier"] + 2, now
+    assert all(now[svc] >= dropped[svc] + 1 for svc in ("drafter", "prefix", "suffix")), now
     rel.record("partitions", "dispatcher kill -9: cloud drops its sessions", kind="orphans",
                sessions=len(streams), idle_timeout_s=IDLE_S, dropped_after_s=round(took, 2))
