@@ -240,9 +240,7 @@ class Dispatcher(Service):
                                       finish_reason=req.finish_reason, stats=req.summary())
             elif cancel in done:
                 outcome = "cancelled"
-                req.finish_reason = "cancelled"
-                reply = protocol.Done(sid=req.msg.sid, rid=req.rid, finish_reason="cancelled",
-                                      stats=req.summary())
+                req.finish_reason = "cancelled"   # Done is built once the mode has cleaned up
             else:
                 outcome = "deadline"
                 reply = (protocol.DEADLINE, f"deadline passed after {len(req.tokens)} tokens")
@@ -257,6 +255,9 @@ class Dispatcher(Service):
             for t in (runner, cancel):
                 t.cancel()
             await asyncio.gather(runner, cancel, return_exceptions=True)
+            if outcome == "cancelled":   # the mode's cleanup has added its figures (recoveries)
+                reply = protocol.Done(sid=req.msg.sid, rid=req.rid, finish_reason="cancelled",
+                                      stats=req.summary())
             # free the request's slots before the client hears it is over, so a client that
             # resubmits at once is never refused by its own finished request
             self.requests.pop(key, None)
