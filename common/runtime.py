@@ -171,6 +171,12 @@ class Service:
         if self._reaping and msg.sid and not isinstance(msg, (protocol.Ping, protocol.Close)):
             self._owners[msg.sid] = ident   # replies, and the session's life, follow its client
         handler = self.handlers.get(type(msg))
+        if not self.ready and handler is not None and not isinstance(msg, (protocol.Ping,
+                                                                           protocol.Close)):
+            # still in setup() (models loading): a message queued for us while we were down
+            # must not reach a handler that needs them; UNAVAILABLE is retried by the sender
+            await self.error(ident, msg, protocol.UNAVAILABLE, f"{self.name} is starting")
+            return
         if handler is None:
             await self.error(ident, msg, protocol.WRONG_SERVICE,
                              f"{self.name} does not serve {msg.__struct_config__.tag!r} messages")

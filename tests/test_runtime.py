@@ -199,3 +199,46 @@ def test_sessions_of_a_silent_client_are_dropped():
             svc.stop()
             await asyncio.wait_for(task, 5)
     asyncio.run(main())
+
+
+class SlowStart(Echo):
+    """setup() waits for the test: the window in which a restarted model service is still
+    loading, while messages queued for it by a client arrive."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.release = asyncio.Event()
+
+    async def setup(self):
+        await self.release.wait()
+
+
+def test_messages_before_ready_get_unavailable_not_a_handler():
+    async def main():
+        svc = SlowStart(cfg())
+        task = asyncio.get_running_loop().create_task(svc.serve())
+        ctx = zmq.asyncio.Context.instance()
+        raw = ctx.socket(zmq.DEALER)
+        raw.setsockopt(zmq.LINGER, 0)
+        while not svc.bound_endpoint:
+            await asyncio.sleep(0.01)
+        raw.connect(svc.bound_endpoint)
+        try:
+            await raw.send_multipart(p.encode(p.DraftRequest(sid="s", rid=1, n=2)))
+            err = p.decode(await asyncio.wait_for(raw.recv_multipart(), 5), p.Limits())
+            assert isinstance(err, p.Error) and err.code == p.UNAVAILABLE, err
+            assert "starting" in err.message and not svc.ready
+            await raw.send_multipart(p.encode(p.Ping(rid=2, t=0.0)))
+            pong = p.decode(await asyncio.wait_for(raw.recv_multipart(), 5), p.Limits())
+            assert isinstance(pong, p.Pong) and pong.ready is False
+            svc.release.set()
+            while not svc.ready:
+                await asyncio.sleep(0.01)
+            await raw.send_multipart(p.encode(p.DraftRequest(sid="s", rid=3, n=2)))
+            ok = p.decode(await asyncio.wait_for(raw.recv_multipart(), 5), p.Limits())
+            assert isinstance(ok, p.DraftTokens) and ok.token_ids == [0, 1]
+        finally:
+            raw.close(0)
+            svc.stop()
+            await asyncio.wait_for(task, 5)
+    asyncio.run(main())
