@@ -166,8 +166,7 @@ class SpecRun:
         self.drafter_alive = False
         self.edge_only = False
         self.verifier_ready_s = None
-        self.last_commit = 0.0
-        self.committed_once = False
+        self.last_commit: float | None = None   # the autotuner's clock: set at the first commit
         self.bo_tasks: set[asyncio.Task] = set()
         self.sm: SpecRounds | None = None
         # the verifier session: replica, id and inbox tag change when it is replayed
@@ -187,6 +186,12 @@ class SpecRun:
         self.readers.append(t)
         return t
 
+    @property
+    def tuned(self) -> bool:
+        """This request uses and feeds its policy's BO autotuner (not when it fixes the
+        thresholds itself)."""
+        return self.policy.bo and self.cfg.spec_bo and self.req.msg.nav_thresholds is None
+
     def _trigger(self):
         c = self.cfg
         trig = make_trigger(self.policy.trigger, NavConfig(r1=c.spec_r1, r2=c.spec_r2,
@@ -194,7 +199,7 @@ class SpecRun:
                                                            fixed_length=c.spec_fixed_length))
         if self.req.msg.nav_thresholds is not None:
             trig.set_thresholds(*self.req.msg.nav_thresholds)
-        elif self.policy.bo and c.spec_bo:
+        elif self.tuned:
             r1, r2 = self.edge.tuner(self.policy.name).current()
             trig.set_thresholds(r1, r2)
         return trig
@@ -231,7 +236,7 @@ class SpecRun:
                         d.drafter.endpoint, req.sid)
             req.stats["drafter_lost"] = True
             actions += self.sm.drafter_lost()
-        self.last_commit = self.last_v = time.monotonic()
+        self.last_v = time.monotonic()
         await self.act(actions)
         while not req.done:
             try:
@@ -407,15 +412,14 @@ class SpecRun:
 
     def _bo(self, tokens: int) -> None:
         """Feed the autotuner: wall time since the last commit, tokens this commit emitted.
-        The first commit of a request is left out: its time is mostly the prompt's prefill
-        (verifier and drafter), which no threshold changes and which differs from prompt to
-        prompt — counted, it was the largest noise in the tuner's windows."""
+        The first commit of a request only starts the clock: its time is mostly the prompt's
+        prefill (verifier and drafter), which no threshold changes and which differs from prompt
+        to prompt — counted, it was the largest noise in the tuner's windows."""
         now = time.monotonic()
-        elapsed, self.last_commit = now - self.last_commit, now
-        first, self.committed_once = not self.committed_once, True
-        if (first or not (self.policy.bo and self.cfg.spec_bo)
-                or self.req.msg.nav_thresholds is not None):
+        last, self.last_commit = self.last_commit, now
+        if last is None or not self.tuned:
             return
+        elapsed = now - last
         tuner = self.edge.tuner(self.policy.name)
         trigger = self.sm.trigger
 
@@ -543,7 +547,7 @@ class SpecRun:
             "dp_plan": list(planner.sizes),
             "alpha_s": planner.alpha, "beta_s": planner.beta, "gamma_s": planner.gamma,
         })
-        if self.policy.bo and self.cfg.spec_bo and req.msg.nav_thresholds is None:
+        if self.tuned:
             tuner = self.edge.tuner(self.policy.name)   # plain attribute reads: no lock needed
             req.stats["tuner"] = {"state": tuner.state, "evaluations": len(tuner.evaluations),
                                   "retunes": tuner.retunes}
