@@ -183,8 +183,8 @@ def run_request(c, p: str, ids: list[int], n: int, **extra) -> tuple[object, dic
 
 def warm_up_tuners(c, policies: list[str], prompts: list[list[int]], n: int, most: int) -> None:
     """Unmeasured live traffic until each policy's BO autotuner has finished its search (16
-    evaluations of a window of accepted tokens each; 96 by default), so the measured runs see the tuned thresholds,
-    as a deployment would after its first minutes, not the exploration."""
+    evaluations of a window of accepted tokens each, 96 by default), so the measured runs see
+    the tuned thresholds, as a deployment would after its first minutes, not the exploration."""
     left = list(policies)
     for i in range(most):
         for p in list(left):

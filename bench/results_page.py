@@ -89,6 +89,11 @@ def spec_section(doc: dict, name: str) -> str:
     return "\n".join(lines)
 
 
+def _condition(row: dict) -> str:
+    """What a split result row was run under: a Poisson load, a fleet, or a context length."""
+    return next((f"{k} {row[k]}" for k in ("load", "fleet", "context") if k in row), "")
+
+
 def split_section(doc: dict, name: str) -> str:
     rows = [r for r in split_rows(doc) if r.get("scheduler") and r.get("throughput_tok_s") is not None]
     lines = [f"### Split mode — `{name}` (scenario `{doc.get('scenario')}`)", ""]
@@ -111,19 +116,17 @@ def split_section(doc: dict, name: str) -> str:
                              r.get("identical_to_reference")] for r in rows], cols))
     paired = []
     for section in doc["results"]:
-        def condition(r):   # what a row was run under: a Poisson load, a fleet, a context
-            return next((f"{k} {r[k]}" for k in ("load", "fleet", "context") if k in r), "")
-        by = {(condition(r), r.get("scheduler", r.get("variant"))): r
+        by = {(_condition(r), r.get("scheduler", r.get("variant"))): r
               for r in section.get("rows", []) if r.get("trials")}
-        for (load, s), r in by.items():
-            base = by.get((load, "dsb"))
+        for (cond, s), r in by.items():
+            base = by.get((cond, "dsb"))
             if s != "cascade" or base is None or len(r["trials"]) != len(base["trials"]):
                 continue
             tp = paired_ratio([t["throughput"] for t in r["trials"]],
                               [t["throughput"] for t in base["trials"]])
             lat = paired_ratio([t["latency"] for t in r["trials"]],
                                [t["latency"] for t in base["trials"]])
-            paired.append([section.get("section"), load, tp["n"], tp["mean_ratio"], tp["t"],
+            paired.append([section.get("section"), cond, tp["n"], tp["mean_ratio"], tp["t"],
                            tp["wins"], lat["mean_ratio"], lat["n"] - lat["wins"]])
     if paired:
         lines += ["", "cascade against dsb trial by trial (each trial's arrivals and prompts are "
