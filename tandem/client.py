@@ -82,6 +82,14 @@ def curve_keys(server_key, client_key):
     return public, secret, server
 
 
+def client_options(server_key, client_key, connect_timeout_s: float):
+    """Check the constructor's options (both client classes, so a bad one fails in the caller
+    before any socket or thread exists); returns the CURVE keys, or None."""
+    if not connect_timeout_s > 0:
+        raise ValueError(f"connect_timeout_s must be > 0, got {connect_timeout_s}")
+    return curve_keys(server_key, client_key)
+
+
 class AsyncClient:
     """`curve_server_key` + `curve_client_key` (paths from `tandem keys`): talk to a
     dispatcher that runs CURVE (`--curve-secret-key`, `--curve-allow-dir`): the stream is
@@ -94,7 +102,7 @@ class AsyncClient:
         self.timeout_s = timeout_s       # default deadline of a request
         self.connect_timeout_s = connect_timeout_s   # no dispatcher connected by then: Unavailable
         self.limits = limits or protocol.Limits()
-        keys = curve_keys(curve_server_key, curve_client_key)
+        keys = client_options(curve_server_key, curve_client_key, connect_timeout_s)
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, f"client-{uuid.uuid4().hex[:12]}".encode())
@@ -212,7 +220,7 @@ class Client:
 
     def __init__(self, endpoint: str = DEFAULT_ENDPOINT, timeout_s: float = 300.0, *,
                  curve_server_key=None, curve_client_key=None, connect_timeout_s: float = 10.0):
-        curve_keys(curve_server_key, curve_client_key)   # a bad key fails here, in the caller
+        client_options(curve_server_key, curve_client_key, connect_timeout_s)   # fail here
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
                                         name="tandem-client")

@@ -97,6 +97,9 @@ def test_no_dispatcher_is_unavailable_within_the_connect_timeout():
         with pytest.raises(Unavailable, match="no dispatcher reachable"):
             c.complete("hi", max_tokens=1)
     assert time.monotonic() - t < 5
+    for bad in (0, -1.0):
+        with pytest.raises(ValueError, match="connect_timeout_s"):
+            Client(connect_timeout_s=bad)
 
 
 def test_deadline(client):
