@@ -121,6 +121,10 @@ def cmd_up(args) -> int:
         return 1
     finally:
         if not args.detach:
+            # a second Ctrl-C / SIGTERM while stopping must not cut stop_all short and leave
+            # services running with nobody to stop them
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
             cluster.stop_all()
             (run_dir() / "state.json").unlink(missing_ok=True)
 

@@ -40,6 +40,35 @@ def test_up_status_down(tmp_path, model_paths):
     assert st.returncode == 1 and "not running" in st.stdout
 
 
+@pytest.mark.slow
+def test_up_stops_every_service_even_when_signalled_twice(tmp_path, model_paths):
+    """Ctrl-C pressed twice (or two SIGTERMs) while `tandem up` is stopping its services."""
+    import re
+    import signal
+    env = {**os.environ, "TANDEM_RUN_DIR": str(tmp_path), "PYTHONUNBUFFERED": "1"}
+    p = subprocess.Popen([sys.executable, "-m", "tandem.cli", "up"], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, env=env)
+    out = []
+    try:
+        for line in p.stdout:
+            out.append(line)
+            if "serving until Ctrl-C" in line:
+                break
+        pids = [int(x) for x in re.findall(r" pid (\d+) ", "".join(out))]
+        assert len(pids) >= 5, "".join(out)
+        p.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        p.send_signal(signal.SIGTERM)
+        p.wait(120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    time.sleep(1)
+    alive = [pid for pid in pids if os.path.exists(f"/proc/{pid}")
+             and "services." in open(f"/proc/{pid}/cmdline").read()]
+    assert not alive, f"services left running: {alive}"
+
+
 def test_serve_rejects_unknown_service():
     r = tandem("serve", "teleporter", env=dict(os.environ), timeout=60)
     assert r.returncode == 2 and "unknown service" in r.stderr
