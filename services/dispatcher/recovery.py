@@ -14,7 +14,9 @@ request is reproduced too.
 What triggers a replay (`reason`, a metrics label):
     down      the replica stopped answering heartbeats (killed, partitioned): Peer fails the
               session's channel with `unavailable`
-    gap       a token index jumped: a message was lost (connection dropped mid-stream)
+    gap       a token index jumped: a message was lost (connection dropped mid-stream); or
+              (spec mode) the verifier answered `unknown_round`: a batch or NAV that opened a
+              round never reached it, and a later one names that round
     stall     nothing arrived for `stall_s` while time was left (a lost final message, a
               request lost on the way up, a replica that restarted faster than the heartbeat)
     restarted the replica answered `unknown_session`: it restarted and forgot the session
@@ -49,7 +51,8 @@ import time
 from common import metrics, protocol
 from common.runtime import Peer, PeerError
 
-RECOVERABLE = {protocol.UNAVAILABLE: "down", protocol.UNKNOWN_SESSION: "restarted"}
+RECOVERABLE = {protocol.UNAVAILABLE: "down", protocol.UNKNOWN_SESSION: "restarted",
+               protocol.UNKNOWN_ROUND: "gap"}
 
 
 class Lost(PeerError):
