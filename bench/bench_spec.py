@@ -37,7 +37,7 @@ import time
 import warnings
 from pathlib import Path
 
-from bench.report import summary, table, welch_t, write_json
+from bench.report import headroom, summary, table, welch_t, write_json
 from common.launcher import Cluster, free_port
 from common.progress import Progress
 from tests.conftest import PROMPTS
@@ -175,8 +175,31 @@ def spec_cluster(scenario: str, drafter: str, bo: bool = True, proactive_depth: 
             link.close()
 
 
+# `--grid`: pipesd at fixed thresholds, around where the live tuner settled in S1 runs (R1 from
+# 1e-6 to 0.56, R2 from 0.38 to 0.95); R1 = 1e-6 leaves the single-token threshold alone.
+GRID_R1 = (1e-6, 0.03, 0.15, 0.5)
+GRID_R2 = (0.2, 0.4, 0.6, 0.8)
+
+
+def fixed_policy(r1: float, r2: float) -> str:
+    """The bench's name for pipesd held at (R1, R2): "pipesd@R1:R2"."""
+    return f"pipesd@{r1:g}:{r2:g}"
+
+
+def parse_policy(p: str) -> tuple[str, tuple[float, float] | None]:
+    """"pipesd@0.15:0.4" -> ("pipesd", (0.15, 0.4)); any other name -> (name, None)."""
+    if "@" not in p:
+        return p, None
+    name, _, rr = p.partition("@")
+    r1, _, r2 = rr.partition(":")
+    return name, (float(r1), float(r2))
+
+
 def run_request(c, p: str, ids: list[int], n: int, **extra) -> tuple[object, dict]:
+    p, thresholds = parse_policy(p)
     kw = {"mode": "cloud-only"} if p == "cloud-only" else {"mode": "spec", "policy": p}
+    if thresholds is not None:
+        kw["nav_thresholds"] = thresholds
     r = c.complete(ids, max_tokens=n, stop_at_eos=False, **kw, **extra)
     return r, r.stats
 
@@ -259,9 +282,14 @@ def main(argv=None) -> int:
     ap.add_argument("--drafter", default="bundled", help="bundled (Q4_0) | bundled-q4_1 | GGUF path")
     ap.add_argument("--max-tokens", type=int, default=0, help="tokens per request (default 48; quick 24)")
     ap.add_argument("--repeats", type=int, default=0, help="runs per prompt and policy (default 2; quick 1)")
-    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--policies", default=",".join(POLICIES),
+                    help="comma-separated; pipesd@R1:R2 is pipesd held at those thresholds")
     ap.add_argument("--uplink", default="", help="uplink Mbit/s to sweep, e.g. 10,20,40,80")
     ap.add_argument("--no-bo", action="store_true", help="keep R1/R2 fixed (no BO autotuner)")
+    ap.add_argument("--grid", action="store_true",
+                    help=f"add pipesd held at each (R1, R2) of {GRID_R1} x {GRID_R2} as a policy "
+                         "of its own (pipesd@R1:R2): the best fixed thresholds, measured in the "
+                         "same run as the baselines and the oracle")
     ap.add_argument("--proactive-depth", type=int, default=1,
                     help="proactive rounds in flight behind the active one (PipeSD: 1)")
     ap.add_argument("--bo-warmup", type=int, default=-1,
@@ -272,7 +300,9 @@ def main(argv=None) -> int:
     repeats = args.repeats or (1 if args.quick else 2)
     kinds = ["plain", "code"] if args.quick else ["plain", "chat", "code"]
     policies = args.policies.split(",")
-    unknown = sorted(set(policies) - set(POLICIES))
+    if args.grid:
+        policies += [fixed_policy(r1, r2) for r1 in GRID_R1 for r2 in GRID_R2]
+    unknown = sorted({parse_policy(p)[0] for p in policies} - set(POLICIES))
     if unknown:
         ap.error(f"unknown policies {unknown}; known: {POLICIES}")
     uplinks = [float(x) for x in args.uplink.split(",") if x] or [None]
@@ -325,6 +355,8 @@ def main(argv=None) -> int:
         print(f"# TPT = wall time / tokens; link {note}"
               + ("" if u is None else f"; uplink {u:g} Mbit/s"))
         print(table(part, COLUMNS))
+        for line in headroom(part) + headroom(part, "tpt_ms_workload"):
+            print("# " + line)
         for p in ("pipesd", "pipesd-stream"):
             if runs.get((u, p)):
                 last = runs[u, p][-1]

@@ -96,3 +96,28 @@ def _fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
     return "" if v is None else str(v)
+
+
+BASELINES = ("vanilla", "hsl", "edgellm")   # the speculative baselines pipesd is measured against
+
+
+def headroom(rows: list[dict], key: str = "tpt_ms") -> list[str]:
+    """How much any NAV trigger could gain on this link and pair: the oracle's TPT (it verifies
+    exactly at the first rejected draft, so no trigger wastes less drafting or fewer rounds)
+    against the best baseline's, next to what pipesd, pipesd-stream and the best fixed-threshold
+    pipesd of a `bench spec --grid` run ("pipesd@R1:R2" rows) gained. `key`: "tpt_ms" (medians) or
+    "tpt_ms_workload" (all time / all tokens)."""
+    by = {r["policy"]: r for r in rows if r.get(key)}
+    if not set(BASELINES) <= set(by):
+        return []
+    best = min(BASELINES, key=lambda p: by[p][key])
+    base = by[best][key]
+    out = [f"best baseline by {key}: {best}, {base:.1f} ms"]
+    fixed = [p for p in by if "@" in p]
+    top = min(fixed, key=lambda p: by[p][key]) if fixed else None
+    for p in ("oracle", "pipesd", "pipesd-stream", top):
+        if p in by:
+            what = {"oracle": "a perfect trigger", top: f"the best of {len(fixed)} fixed (R1, R2)"}
+            out.append(f"best baseline / {p}: {base / by[p][key]:.3f}x"
+                       + (f"  ({what[p]})" if p in what else ""))
+    return out

@@ -32,11 +32,13 @@ def bench(tmp_path, name: str, *args: str) -> dict:
 
 
 def test_bench_spec_quick(tmp_path):
-    doc = bench(tmp_path, "spec", "--policies", "cloud-only,vanilla,pipesd,pipesd-stream",
-                "--uplink", "20,80")
+    # pipesd@R1:R2 is pipesd held at fixed thresholds (what --grid adds)
+    doc = bench(tmp_path, "spec", "--policies",
+                "cloud-only,vanilla,pipesd,pipesd-stream,pipesd@0.15:0.4", "--uplink", "20,80")
     rows = doc["results"]
     assert {(r["uplink_mbit"], r["policy"]) for r in rows} == {
-        (u, p) for u in (20.0, 80.0) for p in ("cloud-only", "vanilla", "pipesd", "pipesd-stream")}
+        (u, p) for u in (20.0, 80.0)
+        for p in ("cloud-only", "vanilla", "pipesd", "pipesd-stream", "pipesd@0.15:0.4")}
     for r in rows:
         assert {"policy", "tpt_ms", "tpt_ms_spread", "acceptance_rate", "cloud_forwards_per_token",
                 "identical_to_reference"} <= set(r)

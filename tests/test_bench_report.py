@@ -1,0 +1,59 @@
+"""The benchmarks' pure summaries (bench/report.py, the results page's tables, bench spec's policy
+names), on hand-made rows: fast, no services."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from bench import report, results_page
+from bench.bench_spec import fixed_policy, parse_policy
+
+# (median, workload) TPT in ms per policy; the best baseline is vanilla by median (36) and
+# edgellm by workload (38); the fixed-threshold rows are a `bench spec --grid` run's.
+TPT = {"vanilla": (36.0, 40.0), "hsl": (46.0, 47.0), "edgellm": (38.0, 38.0),
+       "oracle": (30.0, 32.0), "pipesd": (34.0, 35.0),
+       "pipesd@0.15:0.4": (33.0, 34.0), "pipesd@0.5:0.8": (38.0, 33.0)}
+ROWS = [{"policy": p, "tpt_ms": m, "tpt_ms_workload": w} for p, (m, w) in TPT.items()]
+
+
+def test_headroom_compares_each_policy_with_the_best_baseline_of_that_figure():
+    by_median = report.headroom(ROWS)
+    assert by_median[0] == "best baseline by tpt_ms: vanilla, 36.0 ms"
+    assert "best baseline / oracle: 1.200x  (a perfect trigger)" in by_median
+    assert "best baseline / pipesd: 1.059x" in by_median
+    # the grid's best point by median is pipesd@0.15:0.4 (33 ms)
+    assert "best baseline / pipesd@0.15:0.4: 1.091x  (the best of 2 fixed (R1, R2))" in by_median
+    by_workload = report.headroom(ROWS, "tpt_ms_workload")
+    assert by_workload[0] == "best baseline by tpt_ms_workload: edgellm, 38.0 ms"
+    # ... and by workload pipesd@0.5:0.8 (33 ms)
+    assert "best baseline / pipesd@0.5:0.8: 1.152x  (the best of 2 fixed (R1, R2))" in by_workload
+
+
+def test_headroom_needs_all_three_baselines():
+    assert report.headroom([r for r in ROWS if r["policy"] != "hsl"]) == []
+
+
+def test_results_page_headroom_table():
+    rows = results_page._headroom_rows(ROWS)
+    assert [r[0] for r in rows] == ["oracle", "pipesd",
+                                    "pipesd@0.5:0.8 (the grid's best fixed R1:R2 by workload)"]
+    assert rows[0][1:] == pytest.approx([36 / 30, 38 / 32])
+    assert rows[2][1:] == pytest.approx([36 / 38, 38 / 33])
+    section = results_page.spec_section({"results": ROWS, "scenario": "s1"}, "spec_s1_grid")
+    assert "Headroom" in section and "1.2 | 1.19" in section
+
+
+def test_fixed_threshold_policy_names_round_trip():
+    assert fixed_policy(1e-6, 0.2) == "pipesd@1e-06:0.2"
+    assert parse_policy(fixed_policy(1e-6, 0.2)) == ("pipesd", (1e-6, 0.2))
+    assert parse_policy("edgellm") == ("edgellm", None)
+
+
+def test_paired_ratio():
+    r = report.paired_ratio([2.0, 2.2, 1.8, 2.0], [1.0, 1.0, 1.0, 1.0])
+    assert r["n"] == 4 and r["wins"] == 4 and r["mean_ratio"] == pytest.approx(2.0)
+    assert r["t"] > 2.5
+    one = report.paired_ratio([3.0], [2.0])
+    assert one["mean_ratio"] == 1.5 and math.isnan(one["t"])
