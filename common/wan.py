@@ -253,7 +253,10 @@ class _Pipe:
                 await asyncio.sleep(wait)
             if piece is _EOF:
                 if transport.can_write_eof() and not transport.is_closing():
-                    transport.write_eof()
+                    try:
+                        transport.write_eof()
+                    except OSError:
+                        pass    # the far side is already gone (ENOTCONN): nothing left to end
                 return
             transport.write(piece)
             self.link.bytes_out += len(piece)
