@@ -94,9 +94,13 @@ def cmd_up(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"starting {', '.join(cluster.procs)} (logs in {run_dir()})", flush=True)
-    cluster.start_all()
-    cluster.save_state()
+    # SIGTERM stops the services like Ctrl-C does, from the first spawn on: a signal that came
+    # before this handler (say, right after "serving until Ctrl-C") killed `up` and left them all
+    signal.signal(signal.SIGTERM, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+    detached = False
     try:
+        cluster.start_all()
+        cluster.save_state()
         t = time.monotonic()
         cluster.wait_ready(timeout=args.timeout)
         print(f"all services ready in {time.monotonic() - t:.1f} s", flush=True)
@@ -104,10 +108,10 @@ def cmd_up(args) -> int:
             print(f"  {p.name:10s} {p.endpoint:24s} pid {p.pid:<7d} http://127.0.0.1:{p.http_port}/metrics")
         _demo(cluster.endpoint("dispatcher"), args.mode)
         if args.detach:
+            detached = True
             print("running in the background; `tandem down` stops it")
             return 0
         print("serving until Ctrl-C ...", flush=True)
-        signal.signal(signal.SIGTERM, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
         while all(p.alive() for p in cluster.procs.values()):
             time.sleep(1.0)
         dead = [p.name for p in cluster.procs.values() if not p.alive()]
@@ -120,7 +124,7 @@ def cmd_up(args) -> int:
         print(f"start-up failed: {e}", file=sys.stderr)
         return 1
     finally:
-        if not args.detach:
+        if not detached:
             # a second Ctrl-C / SIGTERM while stopping must not cut stop_all short and leave
             # services running with nobody to stop them
             signal.signal(signal.SIGINT, signal.SIG_IGN)

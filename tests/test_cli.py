@@ -42,7 +42,9 @@ def test_up_status_down(tmp_path, model_paths):
 
 @pytest.mark.slow
 def test_up_stops_every_service_even_when_signalled_twice(tmp_path, model_paths):
-    """Ctrl-C pressed twice (or two SIGTERMs) while `tandem up` is stopping its services."""
+    """Ctrl-C pressed twice (or two SIGTERMs) while `tandem up` is stopping its services; the
+    first comes as soon as the services are up, while `up` still runs its demo request (a
+    SIGTERM before `up` had its handler killed it and left every service running)."""
     import re
     import signal
     env = {**os.environ, "TANDEM_RUN_DIR": str(tmp_path), "PYTHONUNBUFFERED": "1"}
@@ -52,9 +54,9 @@ def test_up_stops_every_service_even_when_signalled_twice(tmp_path, model_paths)
     try:
         for line in p.stdout:
             out.append(line)
-            if "serving until Ctrl-C" in line:
+            pids = [int(x) for x in re.findall(r" pid (\d+) ", "".join(out))]
+            if len(pids) >= 5:
                 break
-        pids = [int(x) for x in re.findall(r" pid (\d+) ", "".join(out))]
         assert len(pids) >= 5, "".join(out)
         p.send_signal(signal.SIGTERM)
         time.sleep(0.3)
