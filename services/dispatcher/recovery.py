@@ -162,7 +162,10 @@ class Recovery:
         try:
             return await channel.recv(timeout=max(0.001, min(stall, left)))
         except PeerError as e:
-            if e.code == protocol.DEADLINE and self.req.remaining() > 0:
+            # a stall only if the stall timer, not the deadline, ended the wait: asyncio may
+            # fire a timer a hair early, so "time is still left" would turn a request's own
+            # deadline into a stall (and its `deadline` error into `unavailable`)
+            if e.code == protocol.DEADLINE and stall < left:
                 raise Lost("stall", f"nothing from {self.role} for {stall:.1f} s") from None
             raise
 
@@ -174,8 +177,12 @@ class Recovery:
         """Record a failure and allow a replay, or re-raise `err` when recovery cannot help."""
         req = self.req
         reason = err.reason if isinstance(err, Lost) else RECOVERABLE.get(err.code)
-        if reason is None or req.done or req.cancelled.is_set() or req.remaining() <= 0:
+        if reason is None or req.done or req.cancelled.is_set():
             raise err
+        if req.remaining() <= 0:
+            # no time left to replay in: the request ran out of time, whatever interrupted it
+            raise PeerError(protocol.DEADLINE, f"deadline passed after {len(req.tokens)} tokens "
+                                               f"({err.message})")
         if self.attempt >= req.d.cfg.max_recoveries:
             raise PeerError(err.code, f"{err.message} (gave up after {self.attempt} replays)")
         req.d.log.warning("%s: %s on %s (%s); replaying %d committed tokens", req.sid, reason,
