@@ -101,6 +101,14 @@ def _fmt(v) -> str:
 BASELINES = ("vanilla", "hsl", "edgellm")   # the speculative baselines pipesd is measured against
 
 
+def best_baseline(by: dict[str, dict], key: str = "tpt_ms") -> str | None:
+    """The baseline with the lowest `key` of the rows `by` policy name; None unless all three
+    baselines have that figure."""
+    if not all(by.get(p, {}).get(key) for p in BASELINES):
+        return None
+    return min(BASELINES, key=lambda p: by[p][key])
+
+
 def headroom(rows: list[dict], key: str = "tpt_ms") -> list[str]:
     """How much any NAV trigger could gain on this link and pair: the oracle's TPT (it verifies
     exactly at the first rejected draft, so no trigger wastes less drafting or fewer rounds)
@@ -108,9 +116,9 @@ def headroom(rows: list[dict], key: str = "tpt_ms") -> list[str]:
     pipesd of a `bench spec --grid` run ("pipesd@R1:R2" rows) gained. `key`: "tpt_ms" (medians) or
     "tpt_ms_workload" (all time / all tokens)."""
     by = {r["policy"]: r for r in rows if r.get(key)}
-    if not set(BASELINES) <= set(by):
+    best = best_baseline(by, key)
+    if best is None:
         return []
-    best = min(BASELINES, key=lambda p: by[p][key])
     base = by[best][key]
     out = [f"best baseline by {key}: {best}, {base:.1f} ms"]
     fixed = [p for p in by if "@" in p]
