@@ -187,12 +187,20 @@ def fixed_policy(r1: float, r2: float) -> str:
 
 
 def parse_policy(p: str) -> tuple[str, tuple[float, float] | None]:
-    """"pipesd@0.15:0.4" -> ("pipesd", (0.15, 0.4)); any other name -> (name, None)."""
+    """"pipesd@0.15:0.4" -> ("pipesd", (0.15, 0.4)); any other name -> (name, None).
+    ValueError for thresholds that are not two numbers in (0, 1], or on a policy without them."""
     if "@" not in p:
         return p, None
     name, _, rr = p.partition("@")
-    r1, _, r2 = rr.partition(":")
-    return name, (float(r1), float(r2))
+    if name not in ("pipesd", "pipesd-stream"):
+        raise ValueError(f"{p!r}: only pipesd and pipesd-stream take thresholds (@R1:R2)")
+    try:
+        r1, r2 = (float(x) for x in rr.split(":"))
+    except ValueError:
+        raise ValueError(f"{p!r}: thresholds are @R1:R2, two numbers") from None
+    if not (0 < r1 <= 1 and 0 < r2 <= 1):
+        raise ValueError(f"{p!r}: R1 and R2 must be in (0, 1]")
+    return name, (r1, r2)
 
 
 def run_request(c, p: str, ids: list[int], n: int, **extra) -> tuple[object, dict]:
@@ -302,7 +310,10 @@ def main(argv=None) -> int:
     policies = args.policies.split(",")
     if args.grid:
         policies += [fixed_policy(r1, r2) for r1 in GRID_R1 for r2 in GRID_R2]
-    unknown = sorted({parse_policy(p)[0] for p in policies} - set(POLICIES))
+    try:
+        unknown = sorted({parse_policy(p)[0] for p in policies} - set(POLICIES))
+    except ValueError as e:
+        ap.error(str(e))
     if unknown:
         ap.error(f"unknown policies {unknown}; known: {POLICIES}")
     uplinks = [float(x) for x in args.uplink.split(",") if x] or [None]

@@ -49,6 +49,17 @@ def test_fixed_threshold_policy_names_round_trip():
     assert fixed_policy(1e-6, 0.2) == "pipesd@1e-06:0.2"
     assert parse_policy(fixed_policy(1e-6, 0.2)) == ("pipesd", (1e-6, 0.2))
     assert parse_policy("edgellm") == ("edgellm", None)
+    for bad in ("pipesd@0.1", "pipesd@x:0.2", "pipesd@0.1:0.2:0.3", "pipesd@0:0.5",
+                "pipesd@0.5:1.5", "vanilla@0.1:0.2"):
+        with pytest.raises(ValueError, match="pipesd|R1"):
+            parse_policy(bad)
+
+
+def test_bench_spec_refuses_a_bad_policy_name_before_starting_anything(capsys):
+    from bench import bench_spec
+    with pytest.raises(SystemExit) as e:
+        bench_spec.main(["--policies", "vanilla,pipesd@0.1"])
+    assert e.value.code == 2 and "@R1:R2" in capsys.readouterr().err
 
 
 def test_paired_ratio():
