@@ -316,10 +316,16 @@ def traffic_phases(max_tokens: int) -> list[list[tuple[str, dict]]]:
              (PROMPTS[1], {"mode": "cloud-only", "max_tokens": n, "temperature": 0.8, "seed": 7})]
     spec = [(PROMPTS[i % len(PROMPTS)], {"mode": "spec", "policy": p, "max_tokens": n})
             for i, p in enumerate(SPEC_POLICIES)]
+    # pipesd alone, verifying after every draft token: tokens are drafted while a verification
+    # is in flight, so the proactive panels have data. The spec phase's sessions share one
+    # drafter, one token each in turn, so each verification is back before its session's next
+    # draft and they may draft nothing proactively.
+    proactive = [(PROMPTS[0], {"mode": "spec", "policy": "pipesd", "max_tokens": n,
+                               "nav_thresholds": (1.0, 1.0)})]
     # four sessions, taking turns over the two suffix replicas: each gets both cuts at once
     split = [(PROMPTS[i % len(PROMPTS)], {"mode": "split", "cut": c, "max_tokens": n})
              for i, c in enumerate(SPLIT_CUTS + SPLIT_CUTS[::-1])]
-    return [cloud, spec, split]
+    return [cloud, spec, proactive, split]
 
 
 @dataclass
