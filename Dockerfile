@@ -105,7 +105,14 @@ ENV VIRTUAL_ENV=/app/.venv \
     TANDEM_HTTP_HOST=0.0.0.0 \
     HF_HOME=/home/tandem/.cache/huggingface \
     HF_HUB_OFFLINE=1 \
-    TRANSFORMERS_OFFLINE=1
+    TRANSFORMERS_OFFLINE=1 \
+    GOMP_SPINCOUNT=20000
+
+# Threads and cores: `tandem serve` plans them at start from what the container may use (its
+# cpuset, its CPU quota; docs/deploy.md "Threads and cores"): a model service takes as many
+# threads as its half has cores, the dispatcher and a GPU service one.  The services of a half
+# share cores, so an idle OpenMP thread spins ~0.2 ms, not ~3 ms, before it sleeps (GOMP_SPINCOUNT
+# above): a service whose turn is over gives the cores back at once.
 
 USER 10001:10001
 WORKDIR /home/tandem

@@ -26,7 +26,8 @@ class ServiceConfig:
     http_host: str = "127.0.0.1"      # /metrics, /healthz, /readyz; loopback unless configured
     http_port: int = -1               # -1 = the service's default port; 0 = ephemeral
     log_level: str = "info"           # debug | info | warning | error
-    threads: int = 0                  # torch/llama threads; 0 = library default
+    threads: int = 0                  # torch/llama threads; 0 = as planned by `tandem up` / `tandem serve` (common/resources.py)
+    cpus: str = ""                    # cores to run on, e.g. 0-3,6; "" = as planned (applied by `tandem up` / `tandem serve`)
     heartbeat_s: float = 2.0          # interval between heartbeats to peers
     peer_timeout_s: float = 6.0       # a peer silent this long is marked down
     peer_idle_timeout_s: float = 30.0  # sessions of a client (ZMQ identity) silent this long, heartbeats included, are dropped; 0 = never

@@ -3,6 +3,8 @@
 `tandem up` and the integration tests both use this: each service is `python -m
 services.<name>.service` with its own ports, logs to run/<name>.log, and a state file
 (run/state.json) records what runs where so `tandem status` and `tandem down` find it.
+`planned()` builds the cluster `tandem up` starts: each service with its share of the machine
+(threads, cores, thread-pool settings) from common/resources.py.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from common import resources
 from common.config import DEFAULT_PORTS
 from common.models import repo_root
 
@@ -42,7 +45,8 @@ class ServiceProc:
     http_port: int
     pid: int = 0
     log: str = ""
-    cpus: list[int] = field(default_factory=list)
+    cpus: list[int] = field(default_factory=list)   # its affinity; [] = inherited
+    threads: int = 0                                 # its --threads; 0 = its own default
 
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.http_port}{path}"
@@ -73,10 +77,14 @@ class Cluster:
 
     def __init__(self, services=SERVICES, ephemeral: bool = False, extra: dict | None = None,
                  env: dict | None = None, logdir: Path | None = None,
-                 pin: dict[str, list[int]] | None = None):
+                 pin: dict[str, list[int]] | None = None,
+                 service_env: dict[str, dict[str, str]] | None = None):
         self.ephemeral = ephemeral            # pick free ports (tests) instead of the defaults
         self.extra = extra or {}              # per-service extra CLI flags {name: [...]}
-        self.env = env or {}
+        self.env = env or {}                  # for every service; a None value unsets
+        self.service_env = service_env or {}  # per service, under the caller's environment
+        self.shares: dict[str, resources.Share] = {}   # the plan, when planned() made it
+        self.cores: list[int] = []
         self.logdir = logdir or run_dir()
         self.pin = pin or {}                  # per-service CPU affinity
         self.procs: dict[str, ServiceProc] = {}
@@ -105,14 +113,18 @@ class Cluster:
     def start(self, name: str) -> ServiceProc:
         p = self.procs[name]
         self.logdir.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
+        # the plan's thread-pool settings unless the caller's environment has its own
+        env = {**self.service_env.get(name, {}), **os.environ, **self.env,
+               "PYTHONUNBUFFERED": "1"}
+        env = {k: v for k, v in env.items() if v is not None}
         env["PYTHONPATH"] = os.pathsep.join([str(repo_root()), env.get("PYTHONPATH", "")])
+        cpus = list(p.cpus)
         logf = open(p.log, "ab")
+        # pinned in the child before exec, so every thread it ever starts inherits the cores
         proc = subprocess.Popen(self.argv(name), stdout=logf, stderr=subprocess.STDOUT, env=env,
-                                cwd=str(repo_root()), start_new_session=True)
+                                cwd=str(repo_root()), start_new_session=True,
+                                preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
         logf.close()
-        if p.cpus:
-            os.sched_setaffinity(proc.pid, p.cpus)
         self._popen[name] = proc
         p.pid = proc.pid
         return p
@@ -166,6 +178,10 @@ class Cluster:
         path.write_text(json.dumps({n: asdict(p) for n, p in self.procs.items()}, indent=2))
         return path
 
+    def describe(self) -> str:
+        """The resource plan, one line per service (planned clusters only)."""
+        return resources.describe(self.shares, self.cores) if self.shares else ""
+
     @classmethod
     def from_state(cls, path: Path | None = None) -> "Cluster | None":
         path = path or run_dir() / "state.json"
@@ -176,6 +192,27 @@ class Cluster:
         for name, d in data.items():
             c.procs[name] = ServiceProc(**d)
         return c
+
+
+def planned(services=SERVICES, ephemeral: bool = False, extra: dict | None = None,
+            env: dict | None = None, logdir: Path | None = None,
+            cpus: list[int] | None = None) -> Cluster:
+    """The cluster `tandem up` starts: each service with its share of the usable cores
+    (common/resources.py), its configured `threads` / `cpus` (TANDEM_<SERVICE>_THREADS,
+    TANDEM_<SERVICE>_CPUS, or flags in `extra`) taken as overrides."""
+    extra = {k: [str(a) for a in v] for k, v in (extra or {}).items()}
+    merged = {**os.environ, **{k: v for k, v in (env or {}).items() if v is not None}}
+    cores, shares = resources.plan_services(list(services), argv=extra, env=merged, cpus=cpus)
+    cluster = Cluster(services, ephemeral=ephemeral, env=env, logdir=logdir,
+                      pin={n: list(s.cpus) for n, s in shares.items()},
+                      service_env={n: s.env for n, s in shares.items()},
+                      extra={n: ["--threads", str(s.threads), "--cpus",
+                                 resources.format_cpus(s.cpus), *extra.get(n, [])]
+                             for n, s in shares.items()})
+    for n, s in shares.items():
+        cluster.procs[n].threads = s.threads
+    cluster.shares, cluster.cores = shares, cores
+    return cluster
 
 
 def _terminate(pid: int, sig: int, timeout: float) -> None:

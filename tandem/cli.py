@@ -70,13 +70,17 @@ def _fail(args, code: str, message: str, hint: str = "") -> int:
 
 def cmd_up(args) -> int:
     from common import models  # noqa: PLC0415
-    from common.launcher import Cluster, run_dir  # noqa: PLC0415
+    from common.launcher import Cluster, planned, run_dir  # noqa: PLC0415
 
     existing = Cluster.from_state()
     if existing and any(p.alive() for p in existing.procs.values()):
         print("tandem is already running (`tandem status`, `tandem down`)", file=sys.stderr)
         return 1
-    cluster = Cluster(services=_available_services())
+    try:
+        cluster = planned(_available_services())
+    except (ValueError, SystemExit) as e:   # an override naming a core that is not usable
+        return _fail(args, "config", str(e),
+                     "check TANDEM_<SERVICE>_CPUS / TANDEM_<SERVICE>_THREADS")
     busy = [f"{p.name} {where}" for p in cluster.procs.values()
             for where, host, port in (
                 (p.endpoint, *p.endpoint.removeprefix("tcp://").rsplit(":", 1)),
@@ -94,6 +98,7 @@ def cmd_up(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"starting {', '.join(cluster.procs)} (logs in {run_dir()})", flush=True)
+    print(cluster.describe(), flush=True)
     # SIGTERM stops the services like Ctrl-C does, from the first spawn on: a signal that came
     # before this handler (say, right after "serving until Ctrl-C") killed `up` and left them all
     signal.signal(signal.SIGTERM, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
@@ -159,14 +164,19 @@ def _listening(endpoint: str, timeout: float = 2.0) -> bool | None:
         return False
 
 
-def _demo(endpoint: str, mode: str) -> None:
+def _demo(endpoint: str, mode: str, warmup: int = 2) -> None:
+    """Warm up first (first-call costs: oneDNN weight packing, llama.cpp graph allocation,
+    the drafter's first context), then stream the demo and print steady-state figures."""
     from tandem import Client  # noqa: PLC0415
     print(f"\ndemo ({mode}): {DEMO_PROMPT}\n", flush=True)
     with Client(endpoint) as c:
+        for _ in range(warmup):
+            c.complete(DEMO_PROMPT, mode=mode, chat=True, max_tokens=16)
         for chunk in c.generate(DEMO_PROMPT, mode=mode, chat=True, max_tokens=64):
             print(chunk.text, end="", flush=True)
         print()
-        print(_stats_line(c.last_result.stats), flush=True)
+        print(_stats_line(c.last_result.stats) + f" (after {warmup} warm-up requests)",
+              flush=True)
 
 
 def _stats_line(stats: dict) -> str:
@@ -206,14 +216,18 @@ def cmd_status(args) -> int:
         for p in c.procs.values():
             health = "ready" if p.probe("/readyz") else ("alive" if p.probe("/healthz") else "down")
             rows.append({"name": p.name, "endpoint": p.endpoint, "pid": p.pid,
-                         "http": f"http://127.0.0.1:{p.http_port}", "health": health})
+                         "http": f"http://127.0.0.1:{p.http_port}", "health": health,
+                         "threads": p.threads, "cpus": p.cpus})
     if args.json:
         print(json.dumps(rows, indent=2))
     elif not rows:
         print("tandem is not running (start it with `tandem up`)")
     else:
+        from common.resources import format_cpus  # noqa: PLC0415
         for r in rows:
-            print(f"{r['name']:10s} {r['endpoint']:24s} pid {r['pid']:<7d} {r['health']:6s} {r['http']}")
+            share = (f"{r['threads'] or '-':>2} threads on cores {format_cpus(r['cpus']) or 'all':6s}")
+            print(f"{r['name']:10s} {r['endpoint']:24s} pid {r['pid']:<7d} {r['health']:6s} "
+                  f"{share} {r['http']}")
     return 0 if rows and all(r["health"] == "ready" for r in rows) else 1
 
 
@@ -222,9 +236,41 @@ def cmd_serve(args, rest) -> int:
         print(f"unknown service {args.service!r}; one of {', '.join(SERVICE_NAMES)}",
               file=sys.stderr)
         return 2
+    if not any(a in ("-h", "--help") for a in rest):
+        rest = _plan_serve(args.service, rest)
     module = importlib.import_module(f"services.{args.service}.service")
     module.main(rest)
     return 0
+
+
+def _plan_serve(service: str, rest: list[str]) -> list[str]:
+    """`tandem serve SERVICE` (what each container runs) takes its share of the cores it can use
+    (its cpuset and CPU quota) as if its half (edge: dispatcher, drafter, prefix; cloud:
+    verifier, suffix) ran beside it, as it does in a deployment: threads, affinity and how idle
+    threads wait, before torch or llama.cpp start a thread.  Its own threads / cpus settings win."""
+    from common import resources  # noqa: PLC0415
+    cfg = resources.service_settings(service, rest)
+    gpu = [service] if str(getattr(cfg, "device", "cpu")).startswith("cuda") else []
+    try:
+        pinned = {service: resources.parse_cpus(cfg.cpus)} if cfg.cpus else {}
+        cores = resources.usable_cpus()
+        if pinned:   # named cores count, not the quota's cut of them
+            cores = sorted(os.sched_getaffinity(0))
+        share = resources.plan(cores, resources.half(service), gpu=gpu,
+                               threads={service: cfg.threads}, pinned=pinned)[service]
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    for k, v in share.env.items():
+        os.environ.setdefault(k, v)
+    # pinned only when told: under a CPU quota the plan only counts cores (every container
+    # pinning itself to "the first k" would pile them all onto the same ones)
+    if pinned:
+        os.sched_setaffinity(0, share.cpus)
+    where = resources.format_cpus(os.sched_getaffinity(0))
+    print(f"[resources] {service}: {share.threads} thread(s) on cores {where}"
+          f", {share.wait} wait ({share.note})", file=sys.stderr,
+          flush=True)
+    return [*rest, "--threads", str(share.threads)]
 
 
 def cmd_generate(args) -> int:

@@ -595,6 +595,41 @@ def test_compose_gpu_override():
             "resources"), f"{svc} (edge) must not reserve a GPU"
 
 
+def test_compose_carries_the_resource_plan():
+    """Threads and cores (common/resources.py): every service plans its own threads (0), spins
+    briefly before sleeping, and each half takes the cpuset given for it; the cpusets docs/deploy.md lists
+    for an N-core host are the plan's halves, as `tandem up` makes them."""
+    from common.resources import SPIN, format_cpus, plan
+    cfg = compose_config(("edge", "cloud"))
+    for svc in SERVICES:
+        s = cfg["services"][svc]
+        assert s["environment"]["TANDEM_THREADS"] == "0", f"{svc}: threads are planned"
+        assert s["environment"]["GOMP_SPINCOUNT"] == str(SPIN)
+        assert not s.get("cpuset"), f"{svc}: no cpuset unless one is given"
+    cfg = compose_config(("edge", "cloud"), env={
+        "TANDEM_EDGE_CPUSET": "0-2", "TANDEM_CLOUD_CPUSET": "3-7", "TANDEM_VERIFIER_THREADS": "4"})
+    for svc in SERVICES:
+        assert cfg["services"][svc]["cpuset"] == ("0-2" if svc in EDGE else "3-7")
+    assert cfg["services"]["verifier"]["environment"]["TANDEM_THREADS"] == "4"
+    assert cfg["services"]["suffix"]["environment"]["TANDEM_THREADS"] == "0"
+    cfg = compose_config(("cloud",), files=(COMPOSE, COMPOSE_GPU))
+    for svc in CLOUD:   # a GPU service plans one thread from its device setting
+        env = cfg["services"][svc]["environment"]
+        assert env["TANDEM_DEVICE"] == "cuda" and env["TANDEM_THREADS"] == "0"
+    doc = (ROOT / "docs" / "deploy.md").read_text()
+    table = re.findall(r"^\| (\d+) cores \| `([\d-]+)` \| `([\d-]+)` \|$", doc, re.M)
+    assert len(table) >= 2, "docs/deploy.md lists the cpusets for 4 and 8 cores"
+    everything = ("verifier", "drafter", "prefix", "suffix", "dispatcher")
+    for n, edge, cloud in table:
+        p = plan(range(int(n)), everything)
+        assert (format_cpus(p["drafter"].cpus), format_cpus(p["verifier"].cpus)) == (edge, cloud)
+    listed = re.findall(r'"([\d-]+)" / "([\d-]+)" on (\d+)', COMPOSE.read_text())
+    assert len(listed) >= 2, "compose.yaml's header lists the cpusets for 4 and 8 cores"
+    for edge, cloud, n in listed:
+        p = plan(range(int(n)), everything)
+        assert (format_cpus(p["drafter"].cpus), format_cpus(p["verifier"].cpus)) == (edge, cloud)
+
+
 def test_compose_as_users_run_it():
     """Without --env-file, as `docker compose` runs in the checkout (a .env there applies)."""
     compose_config(("edge", "cloud", "wan"), env_file=None)
@@ -631,6 +666,7 @@ def test_dockerfile_shape():
     assert re.search(r'^ENTRYPOINT \["tandem"\]', text, re.M)
     assert re.search(r"^USER (?!root)\S+", text, re.M), "services should not run as root"
     assert "TANDEM_HTTP_HOST=0.0.0.0" in text and "TANDEM_MODELS_DIR=/models" in text
+    assert "GOMP_SPINCOUNT=20000" in text, "services in one image share cores: short spins"
     ignored = {line.strip() for line in DOCKERIGNORE.read_text().splitlines()}
     for path in (".venv", ".git", "models"):
         assert path in ignored, f".dockerignore should exclude {path}"
