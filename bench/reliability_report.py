@@ -268,6 +268,19 @@ def render(d: dict) -> str:
         L += [f"A real {v['tokens']}-token session ran through all of it: exact, "
               f"{v['tokens_lost']} lost, {v['tokens_duplicated']} duplicated; no session was "
               "left open on any service afterwards.", ""]
+    sem = fuzz.get("semantic: poisoned values, then an exact request")
+    if sem:
+        L += [f"Semantic fuzzing: well-formed messages with one value poisoned (NaN, ±inf, "
+              f"-0.0, negative and huge integers, empty and oversize lists, unknown, empty and "
+              f"reused session ids; {sem['constrained_cases_in_types']} cases read from the "
+              f"protocol types), each followed by a normal request through the mode that "
+              f"uses the service, checked token for token against transformers. Examples per "
+              f"service: {_fmt(sem['poisoned_examples_per_service'])}; exact after each: "
+              f"{sem['exact_after_each']}; `internal` replies: {sem['internal_errors']}. "
+              f"Poisoned SDK arguments (temperature, top_p, top_k, max_tokens, deadline_s, "
+              f"seed, cut), by outcome: {_fmt(sem['sdk_arguments'])}. One poisoned session's "
+              "fault inside a batch (forward or sampling) ends only that session: "
+              "tests/test_containment.py.", ""]
     for name, v in fuzz.items():
         if name.startswith("atheris"):
             L += [f"{name}: {v['runs']} inputs in {v['seconds']} s, findings: "
@@ -277,7 +290,10 @@ def render(d: dict) -> str:
           "(common/protocol.py, common/runtime.py); bytes that are not a ZMTP greeting were "
           "held open forever as a ZMTP 1.0 peer (now refused: the ROUTER sets a ZAP domain); a "
           "CloudGenerate reusing the id and seq of an open speculative session was silently "
-          "ignored (now `session_exists`).", ""]
+          "ignored (now `session_exists`); a NaN temperature passed every range check and "
+          "killed the verifier's engine loop, wedging cloud-only for everyone while /readyz "
+          "said ready (now refused by the types, a session's fault is contained, and readiness "
+          "follows the loop's heartbeat).", ""]
 
     # --- security
     L += ["## Security (tests/test_security.py)", ""]

@@ -39,6 +39,9 @@ LINGER_MS = 200          # on close, flush for at most this long, then drop: shu
 RECONNECT_MS = 100       # first reconnect attempt after a drop
 RECONNECT_MAX_MS = 2000  # backoff cap between reconnect attempts
 HEARTBEAT_RID = 0        # request id reserved for heartbeats; real requests start at 1
+LOOP_BEAT_S = 1.0        # an idle service loop still beats this often (see Service.idle)
+LOOP_STALL_S = 120.0     # a loop silent this long is stalled: /readyz fails. Far above the longest
+                         # single step (a max_prompt_tokens prefill on a 2-core CPU takes ~30 s)
 
 
 def _tune(sock: zmq.Socket, heartbeat_s: float, handshake_s: float | None = None) -> None:
@@ -79,6 +82,8 @@ class Service:
         self._heard: dict[bytes, float] = {}   # client identity -> last message (pings too)
         self._owners: dict[str, bytes] = {}    # session id -> identity that last spoke for it
         self._reaping = cfg.peer_idle_timeout_s > 0
+        self.beats: dict[str, float] = {}      # service loop -> its last heartbeat (monotonic)
+        self.failure = ""                      # why a loop the service needs ended: exit non-zero
         self.route(protocol.Ping, self._on_ping)
 
     # --- for subclasses -----------------------------------------------------------------------
@@ -125,10 +130,89 @@ class Service:
                 return False
             raise
 
-    async def error(self, ident: bytes, req: Msg | None, code: str, message: str) -> None:
+    async def error(self, ident: bytes, req: Msg | None, code: str, message: str,
+                    field: str = "") -> None:
         metrics.ERRORS.labels(self.name, code).inc()
         self.log.debug("error %s to %r: %s", code, ident, message)
-        await self.send(ident, protocol.error_reply(req, code, message))
+        await self.send(ident, protocol.error_reply(req, code, message, field))
+
+    async def fail_session(self, ident: bytes, req: Msg, what: str, exc: BaseException) -> None:
+        """One session hit a bug (`what`: its forward, its sampling, ...): the traceback goes to
+        the log, the session's peer gets `internal` naming the session (never the exception's
+        internals), and the caller drops the session; everything else goes on."""
+        self.log.error("session %r: %s failed; session ended:\n%s", req.sid, what,
+                       "".join(traceback.format_exception(exc)))
+        whose = f"session {req.sid!r}" if req.sid else "a request without a session"
+        await self.error(ident, req, protocol.INTERNAL,
+                         f"{self.name}: internal error in the {what} of {whose}; the session "
+                         f"was ended (details in the {self.name} log)")
+
+    async def compute_each(self, fn: Callable[[list], list], items: list) -> list:
+        """`fn(items)` on the compute thread, one result per item. If the batch fails, each item
+        runs alone, so a failure costs only the sessions that fail by themselves: the result is
+        then that item's exception. (Model calls leave their KV untouched when they raise —
+        common/runner.py — so running an item again is safe.)"""
+        try:
+            return list(await self.compute(fn, items))
+        except Exception as e:  # noqa: BLE001 - isolate the culprit below
+            if len(items) == 1:
+                return [e]
+            self.log.warning("a batch of %d failed (%s: %s); running its members one by one",
+                             len(items), type(e).__name__, e)
+        out: list = []
+        for item in items:
+            try:
+                out.append((await self.compute(fn, [item]))[0])
+            except Exception as e:  # noqa: BLE001
+                out.append(e)
+        return out
+
+    # --- liveness: the loops a service needs ------------------------------------------------
+    def beat(self, loop: str) -> None:
+        """A service loop is alive and making progress (called by the loop itself)."""
+        self.beats[loop] = time.monotonic()
+
+    async def idle(self, loop: str, wakeup: asyncio.Event, timeout: float | None = None) -> None:
+        """Wait for `wakeup` (or `timeout`), beating while idle so that readiness can tell an
+        idle loop from a dead or stuck one."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while not wakeup.is_set():
+            self.beat(loop)
+            wait = LOOP_BEAT_S if end is None else min(LOOP_BEAT_S, end - time.monotonic())
+            if wait <= 0:
+                return
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(wakeup.wait(), wait)
+        self.beat(loop)
+
+    def not_ready_reason(self) -> str:
+        """"" when ready; else what is wrong, for /readyz, Pong and `tandem status`."""
+        if self.failure:
+            return f"failed: {self.failure}"
+        if not self.ready:
+            return "loading"
+        now = time.monotonic()
+        for loop, t in self.beats.items():
+            if now - t > LOOP_STALL_S:
+                return f"{loop} loop stalled for {now - t:.0f} s"
+        return ""
+
+    def spawn_loop(self, name: str, coro) -> asyncio.Task:
+        """Start a loop the service cannot work without (an engine loop): it beats (`beat`,
+        `idle`); if it ever ends — an exception, or a return — the service is not ready and
+        stops with a non-zero exit status, so a supervisor restarts it."""
+        self.beat(name)
+        task = self.spawn(coro)
+
+        def ended(t: asyncio.Task) -> None:
+            if t.cancelled() or self.stopping is None or self.stopping.is_set():
+                return   # shutting down
+            why = "returned" if t.exception() is None else f"{type(t.exception()).__name__}"
+            self.failure = f"the {name} loop ended ({why})"
+            self.log.critical("%s: %s; stopping (exit status 1)", self.name, self.failure)
+            self.stop()
+        task.add_done_callback(ended)
+        return task
 
     async def compute(self, fn: Callable, *args: Any) -> Any:
         """Run model work on a worker thread; one at a time (the model uses all its threads)."""
@@ -153,7 +237,7 @@ class Service:
     # --- the loop -----------------------------------------------------------------------------
     async def _on_ping(self, ident: bytes, msg: Msg, frames: list) -> None:
         await self.send(ident, protocol.Pong(rid=msg.rid, t=msg.t, service=self.name,
-                                             ready=self.ready))
+                                             ready=not self.not_ready_reason()))
 
     async def _dispatch(self, ident: bytes, frames: list) -> None:
         try:
@@ -165,7 +249,7 @@ class Service:
             sid, seq, rid = protocol.peek_ids(frames)
             metrics.ERRORS.labels(self.name, e.code).inc()
             await self.send(ident, protocol.Error(sid=sid, seq=seq, rid=rid, code=e.code,
-                                                  message=e.message))
+                                                  message=e.message, field=e.field))
             return
         metrics.MESSAGES.labels(self.name, msg.__struct_config__.tag).inc()
         if self._reaping and msg.sid and not isinstance(msg, (protocol.Ping, protocol.Close)):
@@ -184,10 +268,12 @@ class Service:
         try:
             await handler(ident, msg, frames)
         except ProtocolError as e:
-            await self.error(ident, msg, e.code, e.message)
+            await self.error(ident, msg, e.code, e.message, e.field)
         except Exception as e:  # noqa: BLE001 - a bug must not take the service down
-            self.log.exception("handler for %s failed", type(msg).__name__)
-            await self.error(ident, msg, protocol.INTERNAL, f"{type(e).__name__}: {e}")
+            await self.fail_session(ident, msg, f"{msg.__struct_config__.tag!r} handler", e)
+            if msg.sid:   # its state may be half-updated: the session ends here
+                with contextlib.suppress(Exception):
+                    await self.drop_session(msg.sid)
 
     async def _recv_loop(self) -> None:
         assert self.sock is not None
@@ -335,6 +421,8 @@ class Service:
             runner(main())
         except (security.KeyFileError, BindError) as e:  # configuration errors: no traceback
             raise SystemExit(f"{self.name}: {e}") from None
+        if self.failure:   # a loop the service needs ended: a supervisor must restart us
+            raise SystemExit(f"{self.name}: {self.failure}")
 
     # --- HTTP: /metrics, /healthz, /readyz ----------------------------------------------------
     async def _http(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -349,10 +437,10 @@ class Service:
                 status, ctype, body = "200 OK", CONTENT_TYPE_LATEST, generate_latest()
             elif path == "/healthz":
                 status, ctype, body = "200 OK", "text/plain", b"ok\n"
-            elif path == "/readyz":
-                ok = self.ready
-                status = "200 OK" if ok else "503 Service Unavailable"
-                ctype, body = "text/plain", b"ready\n" if ok else b"loading\n"
+            elif path == "/readyz":   # ready = set up, and every service loop beating
+                why = self.not_ready_reason()
+                status = "503 Service Unavailable" if why else "200 OK"
+                ctype, body = "text/plain", f"{why or 'ready'}\n".encode()
             else:
                 status, ctype, body = "404 Not Found", "text/plain", b"not found\n"
             writer.write(f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\n"

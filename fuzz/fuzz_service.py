@@ -83,6 +83,19 @@ def seeds() -> list[bytes]:
             protocol.PrefixOpen(sid="s", seq=0, rid=1, cut=4, token_ids=[1, 2]),
             protocol.PrefixStep(sid="s", seq=1, rid=1, token_id=5)]
     out = [join(protocol.encode(m)) for m in msgs]
+    # the same messages with one value poisoned (NaN, inf, out of range), written with
+    # msgpack-python since our own encoder would refuse nothing but the decoder would: mutations
+    # then start next to the values that once killed an engine loop
+    for m in msgs:
+        head = msgspec.msgpack.decode(protocol.encode(m)[0])
+        for key, value in (("sampling", {"temperature": float("nan")}),
+                           ("sampling", {"temperature": float("inf"), "top_p": 1.0}),
+                           ("deadline_s", float("inf")), ("probs", [float("nan")]),
+                           ("max_tokens", 2**40), ("token_ids", [2**31 - 1])):
+            if key in head or key == "sampling" and type(m).__name__ in (
+                    "GenerateRequest", "CloudGenerate", "SpecOpen", "DraftOpen"):
+                out.append(join([msgpack.packb({**head, key: value})]))
+    return out
     for m in (protocol.SuffixOpen(sid="s", seq=0, rid=1, cut=4, start=0, hidden=ref),
               protocol.SuffixStep(sid="s", seq=1, rid=1, start=2, hidden=ref)):
         out.append(join([protocol.encode(m)[0], hidden]))
@@ -161,6 +174,12 @@ class Target:
         for r in replies:
             if r.get("type") == "error" and r.get("code") == protocol.INTERNAL:
                 raise RuntimeError(f"{self.name}: handler crashed on {frames!r}: {r}")
+        # a reply alone does not show that the loops behind it still run (a NaN temperature was
+        # answered, then killed the verifier's engine loop): readiness must still hold
+        why = self.svc.not_ready_reason()
+        if why:
+            raise RuntimeError(f"{self.name}: not ready after {frames!r}: {why}; "
+                               f"service state: {self.state()}")
         if sid:
             self.sock.send_multipart(protocol.encode(protocol.Close(sid=sid)))
         if self.name == "dispatcher" and 0 < rid < 2**63:

@@ -21,13 +21,28 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   $PIP install --progress-bar on "${TANDEM_TORCH_SPEC:-torch==2.13.0}"
 fi
 
-# llama-cpp-python compiles from source (~10 min on 2 cores); pip caches the wheel, so only the
-# first set-up on a machine pays.  Only the core library is built: no llava/mtmd, tools, tests.
-if ! .venv/bin/python -c "import llama_cpp" 2>/dev/null; then
-  say "building llama-cpp-python (first time: ~10 min on 2 cores; cached afterwards)"
-  CMAKE_ARGS="${CMAKE_ARGS:--DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DGGML_BLAS=OFF}" \
-  CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}" \
-    $PIP install --progress-bar on "llama-cpp-python==0.3.36"
+# llama-cpp-python compiles from source (~10 min on 2 cores). GGML_NATIVE=OFF builds for AVX2
+# (+FMA/F16C), not for whatever this CPU reports: with -march=native, ggml's AMX kernels are
+# compiled in on CPUs that announce AMX, and they crash (SIGSEGV in ggml_backend_amx_mul_mat,
+# seen on this project's Xeon VMs) on any prompt of more than one token. The wheel is kept in a
+# folder named after the build flags, so a change of flags rebuilds instead of reusing pip's
+# cached wheel (pip keys its cache by the source, not by CMAKE_ARGS).
+LLAMA_VERSION=0.3.36
+LLAMA_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DGGML_BLAS=OFF}"
+LLAMA_KEY="$LLAMA_VERSION $LLAMA_ARGS"
+LLAMA_WHEELS="${XDG_CACHE_HOME:-$HOME/.cache}/tandem/llama-wheels/$(printf '%s' "$LLAMA_KEY" | sha256sum | cut -c1-16)"
+if [[ "$(cat .venv/llama-build 2>/dev/null)" != "$LLAMA_KEY" ]] || \
+   ! .venv/bin/python -c "import llama_cpp" 2>/dev/null; then
+  if ! ls "$LLAMA_WHEELS"/llama_cpp_python-*.whl >/dev/null 2>&1; then
+    say "building llama-cpp-python (first time: ~10 min on 2 cores; cached afterwards)"
+    mkdir -p "$LLAMA_WHEELS"
+    CMAKE_ARGS="$LLAMA_ARGS" CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}" \
+      $PIP wheel --no-cache-dir --no-deps --progress-bar on -w "$LLAMA_WHEELS" \
+      "llama-cpp-python==$LLAMA_VERSION"
+  fi
+  $PIP install -q --force-reinstall --no-deps "$LLAMA_WHEELS"/llama_cpp_python-*.whl
+  $PIP install -q "llama-cpp-python==$LLAMA_VERSION"   # its dependencies
+  printf '%s' "$LLAMA_KEY" > .venv/llama-build
 fi
 
 say "installing tandem and its dependencies"

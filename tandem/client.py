@@ -37,6 +37,11 @@ from common import protocol
 from tandem.errors import Cancelled, DeadlineExceeded, TandemError, Unavailable, error_from_code
 from tandem.stats import Stats
 
+# A wire field as the argument of `generate` that sets it (InvalidRequest.field).
+_ARGUMENTS = {"sampling.temperature": "temperature", "sampling.top_k": "top_k",
+              "sampling.top_p": "top_p", "sampling.seed": "seed", "token_ids": "prompt",
+              "deadline_s": "deadline_s"}
+
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5550"
 
 
@@ -162,6 +167,11 @@ class AsyncClient:
                                        seed=seed),
             deadline_s=deadline, allow_edge_only=allow_edge_only,
             nav_thresholds=None if nav_thresholds is None else [float(r) for r in nav_thresholds])
+        try:   # the wire's own rules, before anything leaves: NaN, inf, out-of-range values
+            protocol.check(msg)
+        except protocol.ProtocolError as e:
+            arg = _ARGUMENTS.get(e.field, e.field)
+            raise error_from_code(e.code, e.message.replace(e.field, arg, 1), arg) from None
         result = Result()
         end = time.monotonic() + deadline + 5.0   # the dispatcher enforces the deadline; this
         finished = False                          # only guards against a dead dispatcher
@@ -198,7 +208,7 @@ class AsyncClient:
                     return
                 elif isinstance(ev, protocol.Error):
                     finished = True
-                    raise error_from_code(ev.code, ev.message)
+                    raise error_from_code(ev.code, ev.message, _ARGUMENTS.get(ev.field, ev.field))
         finally:
             self._queues.pop(rid, None)
             if not finished:  # the caller stopped iterating early, or we timed out: cancel

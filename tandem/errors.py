@@ -6,12 +6,14 @@ from common import protocol
 
 
 class TandemError(Exception):
-    """Base: `code` is the stable wire code, `message` the server's explanation."""
+    """Base: `code` is the stable wire code, `message` the server's explanation, `field` the
+    argument to blame (e.g. "temperature") when one is."""
 
-    def __init__(self, code: str, message: str):
+    def __init__(self, code: str, message: str, field: str = ""):
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
+        self.field = field
 
 
 class InvalidRequest(TandemError):
@@ -47,5 +49,5 @@ _BY_CODE = {
 }
 
 
-def error_from_code(code: str, message: str) -> TandemError:
-    return _BY_CODE.get(code, InvalidRequest)(code, message)
+def error_from_code(code: str, message: str, field: str = "") -> TandemError:
+    return _BY_CODE.get(code, InvalidRequest)(code, message, field)

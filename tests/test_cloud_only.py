@@ -131,3 +131,53 @@ def test_cli_generate_json(cluster, tokenizer, reference, assert_same_tokens):
     ids = tokenizer.encode(PROMPTS["plain"])
     assert_same_tokens(ids, data["token_ids"], reference(ids, 8, eos=True)[:len(data["token_ids"])],
                        "cli")
+
+
+def _raw_request(endpoint: str, header: dict, timeout: float = 30.0) -> dict:
+    """One message straight onto the wire (msgpack-python, no SDK checks); its first reply."""
+    import msgpack
+    import zmq
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(endpoint)
+    try:
+        s.send_multipart([msgpack.packb(header)])
+        assert s.poll(int(timeout * 1000)), f"no reply to {header}"
+        return msgpack.unpackb(s.recv_multipart()[0])
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_a_poisoned_temperature_is_refused_and_the_next_request_served(
+        cluster, client, tokenizer, reference, assert_same_tokens, value):
+    """The reproduction of the wedge: `tandem generate --temperature nan` hung, and then every
+    cloud-only request did. Now it is refused naming the field — by the CLI/SDK before sending,
+    by the dispatcher and by the verifier when it comes over the wire anyway — and the next
+    request is served exactly."""
+    out = subprocess.run([sys.executable, "-m", "tandem.cli", "generate", "Hi", "--endpoint",
+                          cluster.endpoint("dispatcher"), "--max-tokens", "4", "--temperature",
+                          value], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out
+    assert "bad_field: temperature:" in out.stderr and "finite" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+    t = float(value)
+    for endpoint, header in [
+            (cluster.endpoint("dispatcher"),
+             {"v": 1, "type": "generate", "rid": 5, "prompt": "Hi", "max_tokens": 4,
+              "sampling": {"temperature": t}}),
+            (cluster.endpoint("verifier"),
+             {"v": 1, "type": "cloud_generate", "sid": "poison", "rid": 6, "token_ids": [1, 2],
+              "max_tokens": 4, "sampling": {"temperature": t}})]:
+        reply = _raw_request(endpoint, header)
+        assert reply["type"] == "error" and reply["code"] == "bad_field", reply
+        assert reply["field"] == "sampling.temperature", reply
+    ids = tokenizer.encode(PROMPTS["plain"])
+    r = client.complete(ids, max_tokens=8, stop_at_eos=False)
+    assert_same_tokens(ids, r.token_ids, reference(ids, 8), "after the poisoned request")
+
+
+def test_top_k_over_the_vocabulary_is_refused(client):
+    with pytest.raises(InvalidRequest) as e:
+        client.complete("Hello", max_tokens=2, temperature=0.5, top_k=10**6)
+    assert e.value.field == "top_k" and "vocabulary" in e.value.message

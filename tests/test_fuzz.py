@@ -39,6 +39,7 @@ from common import protocol
 from common.launcher import SERVICES, Cluster
 from common.models import repo_root
 from tests import _reliability as rel
+from tests import _semantic as sem
 from tests.conftest import PROMPTS
 
 EXAMPLES = int(os.environ.get("TANDEM_FUZZ_EXAMPLES", "20"))
@@ -257,14 +258,74 @@ def test_typed_messages_with_random_values(cluster, service, msg):
     _exchange(service, cluster.endpoint(service), *msg)
 
 
+# Semantic fuzzing: well-formed messages whose values are poisoned (NaN, ±inf, -0.0, negative and
+# huge integers, empty and oversize lists, unknown / empty / reused session ids; cases read from
+# the protocol types, tests/_semantic.py). After each one the service must still serve a normal
+# request exactly: the structural fuzzers above never found the NaN temperature that killed the
+# verifier's engine loop, because a reply alone does not show that the loop behind it died.
+SEMANTIC: dict[str, dict[str, int]] = {}
+CHECK_MODE = {"verifier": "cloud-only", "dispatcher": "cloud-only", "drafter": "spec",
+              "prefix": "split", "suffix": "split"}
+
+
+def _serves_exactly(cluster, service, tokenizer, reference) -> None:
+    from tandem import Client
+    ids = tokenizer.encode(PROMPTS["code"])
+    with Client(cluster.endpoint("dispatcher"), timeout_s=120) as c:
+        r = c.complete(ids, mode=CHECK_MODE[service], max_tokens=4, stop_at_eos=False)
+    assert r.token_ids == reference(ids, 4), f"{service}: not exact after a poisoned message"
+    assert r.stats.get("recoveries", 0) == 0, f"{service}: the check needed a recovery"
+
+
+@pytest.mark.parametrize("service", AVAILABLE)
+@FUZZ
+@given(msg=sem.poisoned_message())
+def test_poisoned_messages_then_exact_service(cluster, service, msg, tokenizer, reference):
+    _exchange(service, cluster.endpoint(service), *msg)   # an Error (never internal) or a reply
+    kinds = SEMANTIC.setdefault(service, {})
+    kinds["examples"] = kinds.get("examples", 0) + 1
+    _serves_exactly(cluster, service, tokenizer, reference)
+
+
+POISON_FLOATS = st.sampled_from([float("nan"), float("inf"), float("-inf"), -0.0, -1.0, 1e308])
+POISON_INTS = st.sampled_from([-1, 0, 2**31, 2**63 - 1, 2**63])  # msgpack's range (beyond: test_protocol_rules)
+
+
+@FUZZ
+@given(arg=st.sampled_from(["temperature", "top_p", "top_k", "max_tokens", "deadline_s", "seed",
+                            "cut"]), data=st.data())
+def test_poisoned_sdk_arguments_are_refused_naming_them(cluster, arg, data):
+    """The SDK refuses a poisoned argument itself (InvalidRequest naming it) or the server
+    answers: never another exception, never a hang."""
+    from tandem import Client, InvalidRequest
+    value = data.draw(POISON_FLOATS if arg in ("temperature", "top_p", "deadline_s")
+                      else POISON_INTS)
+    with Client(cluster.endpoint("dispatcher"), timeout_s=60) as c:
+        try:
+            c.complete("Hi", **{"max_tokens": 2, arg: value})
+            outcome = "served"
+        except InvalidRequest as e:
+            assert e.field in (arg, "sampling." + arg) or arg in e.message, (arg, value, e)
+            outcome = e.code
+    SDK_COUNTS[outcome] = SDK_COUNTS.get(outcome, 0) + 1
+
+
+SDK_COUNTS: dict[str, int] = {}
+
+
 def test_fuzz_figures(cluster):
     """Runs after the property tests: every service still answers; the counts go to the page."""
     for name in AVAILABLE:
         assert _ping(cluster.endpoint(name))
     total = {s: sum(c.values()) for s, c in COUNTS.items()}
     rel.record("fuzz", "hypothesis through sockets", examples_per_property=EXAMPLES,
-               properties=3, replies_per_service=total, replies_by_kind=COUNTS,
+               properties=5, replies_per_service=total, replies_by_kind=COUNTS,
                internal_errors=0, crashes=0)
+    rel.record("fuzz", "semantic: poisoned values, then an exact request",
+               poisoned_examples_per_service={s: k.get("examples", 0)
+                                              for s, k in SEMANTIC.items()},
+               sdk_arguments=SDK_COUNTS, constrained_cases_in_types=len(sem.ALL_CASES),
+               exact_after_each=True, internal_errors=0)
 
 
 # ------------------------------------------------------------------------- raw TCP peers

@@ -36,7 +36,8 @@ def requests_total(proc) -> float:
     (dict(mode="split", cut=30), r"cut 30 outside"),
     (dict(mode="spec", policy="nope"), r"unknown spec policy 'nope'"),
     (dict(mode="spec", policy="oracle", temperature=0.7), r"oracle policy needs greedy"),
-    (dict(mode="cloud-only", max_tokens=0), r"max_tokens must be"),   # the reference case
+    (dict(mode="cloud-only", max_tokens=0), r"max_tokens: expected `int` >= 1"),  # the SDK's
+    (dict(mode="cloud-only", max_tokens=10**6), r"max_tokens must be in \[1, "),  # the server's
 ])
 def test_bad_fields_are_refused_before_admission(dispatcher, bad, match):
     before = requests_total(dispatcher)

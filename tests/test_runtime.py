@@ -4,7 +4,9 @@ peers match replies, time out cleanly and see a dead service go down; config pre
 from __future__ import annotations
 
 import asyncio
+import urllib.error
 import urllib.request
+from pathlib import Path
 
 import msgpack
 import pytest
@@ -14,7 +16,7 @@ import zmq.asyncio
 from common import protocol as p
 from common.config import ServiceConfig, load
 from common.launcher import free_port
-from common.runtime import PeerError, Service
+from common.runtime import Peer, PeerError, Service
 
 
 class Echo(Service):
@@ -242,3 +244,94 @@ def test_messages_before_ready_get_unavailable_not_a_handler():
             svc.stop()
             await asyncio.wait_for(task, 5)
     asyncio.run(main())
+
+
+# --- liveness: /readyz follows the service's loops, not just its HTTP server -----------------
+
+class Looping(Service):
+    """A service with one loop it needs; `mode` says how the loop misbehaves once told to."""
+    name = "looping"
+
+    def __init__(self, cfg, mode: str):
+        super().__init__(cfg)
+        self.mode = mode
+        self.go = asyncio.Event()
+
+    async def setup(self):
+        self.spawn_loop("engine", self.loop())
+
+    async def loop(self):
+        while not self.go.is_set():
+            await self.idle("engine", self.go)
+        if self.mode == "raise":
+            raise RuntimeError("loop bug")
+        await asyncio.sleep(3600)          # "stall": stuck without beating
+
+
+def _readyz(svc) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{svc.http_port}/readyz", timeout=5) as r:
+            return r.status, r.read().decode().strip()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode().strip()
+
+
+def test_a_loop_that_dies_makes_the_service_unready_and_stop():
+    async def main():
+        svc = Looping(cfg(), "raise")
+        task = asyncio.get_running_loop().create_task(svc.serve())
+        while not svc.ready:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(1.5)                       # idle for longer than one beat
+        assert svc.not_ready_reason() == ""
+        svc.go.set()
+        await asyncio.wait_for(task, 5)                # the service stops by itself
+        assert "engine loop ended (RuntimeError)" in svc.failure
+        assert svc.not_ready_reason().startswith("failed:")
+    asyncio.run(main())
+
+
+def test_a_stalled_loop_fails_readiness_and_pong(monkeypatch):
+    from common import runtime
+    monkeypatch.setattr(runtime, "LOOP_STALL_S", 0.5)
+
+    async def main():
+        svc = Looping(cfg(), "stall")
+        task = asyncio.get_running_loop().create_task(svc.serve())
+        while not svc.ready:
+            await asyncio.sleep(0.01)
+        try:
+            assert await asyncio.to_thread(_readyz, svc) == (200, "ready")
+            svc.go.set()
+            await asyncio.sleep(1.0)
+            status, body = await asyncio.to_thread(_readyz, svc)
+            assert status == 503 and "engine loop stalled" in body, (status, body)
+            peer = Peer(zmq.asyncio.Context.instance(), svc.bound_endpoint, "looping", "t")
+            reply, _ = await peer.request(p.Ping(t=1.0), timeout=5)
+            peer.close()
+            assert isinstance(reply, p.Pong) and reply.ready is False
+        finally:
+            svc.stop()
+            await asyncio.wait_for(task, 5)
+    asyncio.run(main())
+
+
+def test_a_service_whose_loop_died_exits_non_zero(tmp_path):
+    """A supervisor (tandem up, compose `restart:`, Kubernetes) restarts what exits non-zero."""
+    import subprocess
+    import sys
+    script = tmp_path / "svc.py"
+    script.write_text(f"""
+import asyncio, sys
+sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})
+from tests.test_runtime import Looping, cfg
+
+class Dies(Looping):
+    async def setup(self):
+        await super().setup()
+        self.go.set()
+Dies(cfg(), "raise").run()
+""")
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1, (r.returncode, r.stderr[-2000:])
+    assert "engine loop ended" in r.stderr

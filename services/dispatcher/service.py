@@ -181,8 +181,11 @@ class Dispatcher(Service):
         if not ids:
             raise ProtocolError(protocol.BAD_FIELD, "empty prompt")
         if len(ids) > self.limits.max_prompt_tokens:
-            raise ProtocolError(protocol.TOO_LARGE, f"prompt of {len(ids)} tokens > "
-                                                    f"max_prompt_tokens {self.limits.max_prompt_tokens}")
+            raise ProtocolError(protocol.TOO_LARGE, f"prompt of {len(ids)} tokens is over "
+                                f"max_prompt_tokens = {self.limits.max_prompt_tokens} (raise it on "
+                                f"every service with TANDEM_MAX_PROMPT_TOKENS or "
+                                f"--max-prompt-tokens, up to the model's context length)",
+                                field="prompt")
         return ids
 
     async def on_generate(self, ident: bytes, msg: protocol.GenerateRequest, frames) -> None:
@@ -198,12 +201,7 @@ class Dispatcher(Service):
             raise ProtocolError(protocol.BAD_FIELD,
                                 f"max_tokens must be in [1, {self.cfg.max_new_tokens}]")
         s = msg.sampling
-        if s.temperature < 0 or not 0 < s.top_p <= 1 or s.top_k < 0:
-            raise ProtocolError(protocol.BAD_FIELD, "sampling: temperature >= 0, 0 < top_p <= 1, "
-                                                    "top_k >= 0")
-        if msg.nav_thresholds is not None and (
-                len(msg.nav_thresholds) != 2 or not all(0 < r <= 1 for r in msg.nav_thresholds)):
-            raise ProtocolError(protocol.BAD_FIELD, "nav_thresholds must be [R1, R2], each in (0, 1]")
+        protocol.check_sampling(s, len(self.tokenizer))
         validate = getattr(self.modes[mode], "validate", None)   # the mode's own fields (cut,
         if validate is not None:                                  # policy): before admission too
             validate(self, msg)
@@ -247,10 +245,12 @@ class Dispatcher(Service):
         except (PeerError, ProtocolError) as e:
             outcome = "error"
             reply = (e.code, e.message)
-        except Exception as e:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - a bug ends this request only; the traceback is logged
             outcome = "error"
             self.log.exception("request %s failed", req.sid)
-            reply = (protocol.INTERNAL, f"{type(e).__name__}: {e}")
+            reply = (protocol.INTERNAL, f"dispatcher: internal error while serving request "
+                                        f"{req.sid!r} in {req.mode} mode; the request was ended "
+                                        f"(details in the dispatcher log)")
         finally:
             for t in (runner, cancel):
                 t.cancel()

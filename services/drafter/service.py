@@ -72,7 +72,7 @@ class Drafter(Service):
                                              self.cfg.verbose_llama)
         self.log.info("drafter %s loaded: vocab %d, trained context %d", path.name,
                       self.model.n_vocab, self.model.n_ctx_train)
-        self.spawn(self.draft_loop())
+        self.spawn_loop("draft", self.draft_loop())
 
     async def teardown(self) -> None:
         for s in list(self.sessions.values()):
@@ -105,9 +105,7 @@ class Drafter(Service):
         if not 1 <= msg.top_k <= MAX_Q_WIDTH:
             raise ProtocolError(protocol.BAD_FIELD, f"top_k must be in [1, {MAX_Q_WIDTH}]")
         s = msg.sampling
-        if s.temperature < 0 or not 0 < s.top_p <= 1 or s.top_k < 0:
-            raise ProtocolError(protocol.BAD_FIELD, "sampling: temperature >= 0, 0 < top_p <= 1, "
-                                                    "top_k >= 0")
+        protocol.check_sampling(s, self.model.n_vocab)
         if msg.max_tokens:
             need = len(msg.token_ids) + msg.max_tokens + 1
             n_ctx = 64 * math.ceil(need / 64)
@@ -200,15 +198,18 @@ class Drafter(Service):
             s = self._next()
             if s is None:
                 self.wakeup.clear()
-                await self.wakeup.wait()
+                await self.idle("draft", self.wakeup)
                 continue
+            self.beat("draft")
             try:
                 await self._step(s)
-            except Exception:  # noqa: BLE001 - one session's bug must not stop all drafting
-                self.log.exception("drafting for %s failed; session dropped", s.sid)
+            except Exception as e:  # noqa: BLE001 - one session's bug must not stop all drafting
                 if self.sessions.pop(s.sid, None) is not None:
                     self.order.remove(s.sid)
                     self._free(s)
+                metrics.SESSIONS.labels(self.name).set(len(self.sessions))
+                await self.fail_session(s.ident, protocol.DraftRequest(sid=s.sid, seq=s.epoch,
+                                                                       rid=s.rid), "drafting", e)
 
     async def _step(self, s: Session) -> None:
         """One step of one session: its prefill, or one draft token, then a pending rollback."""
@@ -253,7 +254,8 @@ class Drafter(Service):
 
     def _tokens_msg(self, s: Session, d) -> tuple[protocol.DraftTokens, list]:
         msg = protocol.DraftTokens(sid=s.sid, seq=s.epoch, rid=s.rid, start=d.position,
-                                   token_ids=[d.token], probs=[d.prob], seconds=d.seconds)
+                                   token_ids=[d.token], probs=[min(1.0, d.prob)],
+                                   seconds=d.seconds)
         buffers = []
         if d.q_ids is not None:
             msg.q_ids, ids = protocol.tensor_frame(d.q_ids.reshape(1, -1), 0)

@@ -104,7 +104,7 @@ class Prefix(Service):
             device=self.cfg.device)
         self.log.info("prefix %s: layers [0, %d) of %d, wire %s", path, self.c_max, L, self.wire)
         metrics.declare_forward(self.name, ("prefill", "decode"))
-        self.spawn(self.loop())
+        self.spawn_loop("step", self.loop())
 
     # --- requests -------------------------------------------------------------------------------
     def check_tokens(self, ids: list[int]) -> None:
@@ -174,43 +174,52 @@ class Prefix(Service):
         metrics.SESSIONS.labels(self.name).set(len(self.sessions))
 
     # --- the step loop --------------------------------------------------------------------------
-    def step(self, batch: list[Work]) -> tuple[list[torch.Tensor], float]:
-        t = time.perf_counter()
-        hs = run_prefixes(self.runner, [(w.session.kv, w.x, w.session.cut) for w in batch])
-        hs = [h.to(self.wire) for h in hs]
-        return hs, time.perf_counter() - t
+    def step(self, batch: list[Work]) -> list[torch.Tensor]:
+        try:
+            hs = run_prefixes(self.runner, [(w.session.kv, w.x, w.session.cut) for w in batch])
+        except BaseException:
+            # one cut range may have run before a later one failed: put every cache back, so
+            # that the members can run again (Service.compute_each)
+            for w in batch:
+                w.session.kv.truncate(w.start)
+            raise
+        return [h.to(self.wire) for h in hs]
 
     async def loop(self) -> None:
+        """One batched forward per step over the queued work. A failure ends only the session
+        it belongs to: the batch is rerun without it (Service.compute_each)."""
         while True:
             if not self.queue:
                 self.wakeup.clear()
-                await self.wakeup.wait()
+                await self.idle("step", self.wakeup)
                 continue
+            self.beat("step")
             n = self.cfg.max_batch_sessions
             batch = [w for w in self.queue[:n] if not w.session.closed]
             del self.queue[:n]
             if not batch:
                 continue
-            try:
-                hs, dt = await self.compute(self.step, batch)
-            except Exception as e:  # noqa: BLE001 - fail these sessions, keep serving the rest
-                self.log.exception("prefix forward failed")
-                for w in batch:
-                    self.sessions.pop(w.session.sid, None)
-                    await self.error(w.ident, w.msg, protocol.INTERNAL, f"prefix forward failed: {e}")
-                continue
+            t = time.perf_counter()
+            hs = await self.compute_each(self.step, batch)
+            dt = time.perf_counter() - t
             phases = {"prefill" if w.x.shape[0] > 1 else "decode" for w in batch}
             phase = phases.pop() if len(phases) == 1 else "mixed"
             metrics.FORWARD.labels(self.name, phase).observe(dt)
             metrics.FORWARD_TOKENS.labels(self.name, phase).observe(sum(w.x.shape[0] for w in batch))
             for w, h in zip(batch, hs):
                 s = w.session
+                if isinstance(h, Exception):
+                    self.sessions.pop(s.sid, None)
+                    s.closed = True
+                    await self.fail_session(w.ident, w.msg, "forward", h)
+                    continue
                 ref, buf = protocol.tensor_frame(h, 0)
                 reply = protocol.Hidden(sid=s.sid, seq=w.msg.seq, rid=w.msg.rid, cut=s.cut,
                                         start=w.start, hidden=ref, seconds=dt)
                 s.reply, s.busy = (reply, [buf]), False
                 if not s.closed:
                     await self.send(w.ident, reply, [buf])
+            metrics.SESSIONS.labels(self.name).set(len(self.sessions))
             metrics.KV_BYTES.labels(self.name).set(sum(s.kv.nbytes() for s in self.sessions.values()))
             await asyncio.sleep(0)
 

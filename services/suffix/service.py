@@ -91,7 +91,7 @@ class Suffix(Service):
                       self.scheduler, self.builder.config.window_ms, self.builder.config.max_size,
                       ", padded" if self.padded else "")
         metrics.declare_suffix(self.name, self.scheduler)
-        self.spawn(self.loop())
+        self.spawn_loop("window", self.loop())
 
     # --- requests -------------------------------------------------------------------------------
     def hidden(self, ref: protocol.TensorRef, frames) -> torch.Tensor:
@@ -128,9 +128,7 @@ class Suffix(Service):
         if msg.start != 0:
             raise ProtocolError(protocol.BAD_FIELD, f"open must start at position 0, got {msg.start}")
         sm = msg.sampling
-        if sm.temperature < 0 or not 0 < sm.top_p <= 1 or sm.top_k < 0:
-            raise ProtocolError(protocol.BAD_FIELD, "sampling: temperature >= 0, 0 < top_p <= 1, "
-                                                    "top_k >= 0")
+        protocol.check_sampling(sm, self.runner.vocab_size)
         if len(self.sessions) >= self.cfg.max_sessions:
             raise ProtocolError(protocol.BUSY, f"{len(self.sessions)} sessions open (max_sessions)")
         x = self.hidden(msg.hidden, frames)
@@ -212,51 +210,69 @@ class Suffix(Service):
                     return window
             deadline = self.builder.deadline()
             self.wakeup.clear()
-            timeout = None if deadline is None else max(0.0, deadline - now)
-            try:
-                await asyncio.wait_for(self.wakeup.wait(), timeout)
-            except asyncio.TimeoutError:
-                pass
+            await self.idle("window", self.wakeup,
+                            None if deadline is None else max(0.0, deadline - now))
+
+    def plan(self, window: list[Pending], scheduler: str):
+        reqs = [Request(p.session.sid, p.session.cut, p.x.shape[0], p.arrival) for p in window]
+        return plan_window(scheduler, reqs, self.L, self.rr)
 
     def step(self, plan, window: list[Pending]):
-        """Execute one window's plan and choose the tokens (on the compute thread)."""
+        """Execute one window's plan and choose its tokens (on the compute thread): one
+        (result, token, seconds) per member. A failure leaves every cache as it was, so the
+        members can run again without the one that failed (Service.compute_each)."""
         t = time.perf_counter()
-        res = execute(self.runner, plan, {p.session.sid: Item(p.session.kv, p.x) for p in window},
-                      padded=self.padded)
-        tokens = [sampling.sample(res.logits[p.session.sid], p.session.sampling,
-                                  p.session.kv.length()) for p in window]
-        return res, tokens, time.perf_counter() - t
+        starts = [p.session.kv.length() for p in window]
+        try:
+            res = execute(self.runner, plan,
+                          {p.session.sid: Item(p.session.kv, p.x) for p in window},
+                          padded=self.padded)
+            tokens = [sampling.sample(res.logits[p.session.sid], p.session.sampling,
+                                      p.session.kv.length()) for p in window]
+        except BaseException:
+            for p, n in zip(window, starts):
+                p.session.kv.truncate(n)
+            raise
+        dt = time.perf_counter() - t
+        return [(res, token, dt) for token in tokens]
 
     async def loop(self) -> None:
         sched = (self.name, self.scheduler)
         while True:
             window = await self.next_window()
-            reqs = [Request(p.session.sid, p.session.cut, p.x.shape[0], p.arrival) for p in window]
-            plan = plan_window(self.scheduler, reqs, self.L, self.rr)
+            self.beat("window")
             start = time.monotonic()
             if self.last_end:
                 metrics.SPLIT_IDLE_GAP.labels(*sched).observe(start - self.last_end)
-            try:
-                res, tokens, dt = await self.compute(self.step, plan, window)
-            except Exception as e:  # noqa: BLE001 - fail these sessions, keep serving the rest
-                self.log.exception("suffix window failed")
-                for p in window:
-                    self.sessions.pop(p.session.sid, None)
-                    p.session.closed = True
-                    await self.error(p.ident, p.msg, protocol.INTERNAL, f"suffix forward failed: {e}")
-                self.last_end = time.monotonic()
-                continue
+            plan = self.plan(window, self.scheduler)   # on the loop: the round-robin is ours
+            # a member rerun alone (after the window failed) is a one-call plan; "fifo" plans
+            # it without moving the round-robin
+            solo = {p.session.sid: self.plan([p], "fifo") for p in window}
+            outs = await self.compute_each(
+                lambda w: self.step(plan if len(w) == len(window) else solo[w[0].session.sid], w),
+                window)
             self.last_end = time.monotonic()
-            cuts = [p.session.cut for p in window]
-            metrics.SPLIT_WINDOW_SIZE.labels(*sched).observe(len(window))
-            metrics.SPLIT_WINDOW_DEPTH.labels(*sched).observe(max(cuts) - min(cuts))
-            metrics.SPLIT_CALLS_PER_STEP.labels(*sched).observe(res.calls)
-            for phase in PHASES:
-                if res.seconds[phase]:
-                    metrics.FORWARD.labels(self.name, phase).observe(res.seconds[phase])
-            metrics.FORWARD_TOKENS.labels(self.name, "step").observe(sum(p.x.shape[0] for p in window))
-            for p, token in zip(window, tokens):
+            ok = [o for o in outs if not isinstance(o, Exception)]
+            if ok:
+                res = ok[0][0]
+                cuts = [p.session.cut for p in window]
+                metrics.SPLIT_WINDOW_SIZE.labels(*sched).observe(len(window))
+                metrics.SPLIT_WINDOW_DEPTH.labels(*sched).observe(max(cuts) - min(cuts))
+                metrics.SPLIT_CALLS_PER_STEP.labels(*sched).observe(res.calls)
+                for phase in PHASES:
+                    if res.seconds[phase]:
+                        metrics.FORWARD.labels(self.name, phase).observe(res.seconds[phase])
+                metrics.FORWARD_TOKENS.labels(self.name, "step").observe(
+                    sum(p.x.shape[0] for p in window))
+            for p, out in zip(window, outs):
                 s = p.session
+                if isinstance(out, Exception):
+                    self.sessions.pop(s.sid, None)
+                    s.closed = True
+                    self.rr.drop(s.sid)
+                    await self.fail_session(p.ident, p.msg, "forward and sampling", out)
+                    continue
+                _, token, dt = out
                 metrics.QUEUE_TIME.labels(self.name).observe(start - p.arrival)
                 metrics.SPLIT_TOKENS.labels(self.name, self.scheduler, str(s.cut)).inc()
                 reply = protocol.SuffixToken(sid=s.sid, seq=p.msg.seq, rid=p.msg.rid,
@@ -265,6 +281,7 @@ class Suffix(Service):
                 s.reply, s.busy = reply, False
                 if not s.closed:
                     await self.send(p.ident, reply)
+            metrics.SESSIONS.labels(self.name).set(len(self.sessions))
             metrics.KV_BYTES.labels(self.name).set(sum(s.kv.nbytes() for s in self.sessions.values()))
 
 

@@ -118,7 +118,7 @@ class Verifier(Service):
         self.log.info("target %s loaded: %d layers, vocab %d", path, self.runner.num_layers,
                       self.vocab_size)
         metrics.declare_verifier(self.name)
-        self.spawn(self.engine_loop())
+        self.spawn_loop("engine", self.engine_loop())
 
     # --- admission ------------------------------------------------------------------------------
     def check_tokens(self, token_ids: list[int], what: str = "token_ids") -> None:
@@ -166,8 +166,6 @@ class Verifier(Service):
                 raise ProtocolError(protocol.SESSION_EXISTS, f"session {msg.sid!r} is already open")
             old.ident, old.rid = ident, msg.rid    # a retry: the stream goes to whoever asked last
             return
-        if msg.max_tokens < 1:
-            raise ProtocolError(protocol.BAD_FIELD, "max_tokens must be >= 1")
         self.add(CloudSession(msg.sid, ident, msg.rid, msg.seq, self.runner.new_kv(), msg))
 
     def open_sessions(self):
@@ -183,7 +181,11 @@ class Verifier(Service):
         for s in list(self.sessions.values()):
             if budget <= 0 or len(step) >= self.cfg.max_batch_sessions:
                 break
-            work = s.next_work(budget)
+            try:
+                work = s.next_work(budget)
+            except Exception as e:  # noqa: BLE001 - this session's bug ends this session only
+                step.append((s, e))
+                continue
             if work is not None and work.token_ids:
                 step.append((s, work))
                 budget -= len(work.token_ids)
@@ -202,26 +204,39 @@ class Verifier(Service):
         metrics.FORWARD_TOKENS.labels(self.name, phase).observe(sum(len(w.token_ids) for _, w in step))
         return out
 
+    async def end_session(self, s: EngineSession, what: str, exc: BaseException) -> None:
+        """A bug while serving `s`: it alone ends, with `internal`; the loop goes on."""
+        self.drop(s.sid)
+        await self.fail_session(s.ident, protocol.Close(sid=s.sid, seq=s.seq, rid=s.rid), what,
+                                exc)
+
     async def engine_loop(self) -> None:
+        """One ragged forward per step over every session with work. A failure is contained to
+        the session it belongs to: its planning, its share of the forward (the batch is rerun
+        without it, common/runtime.Service.compute_each) or its sampling."""
         while True:
             step = self.plan_step()
+            for s, work in [(s, w) for s, w in step if isinstance(w, Exception)]:
+                await self.end_session(s, "scheduling", work)
+            step = [(s, w) for s, w in step if not isinstance(w, Exception)]
             if not step:
                 self.wakeup.clear()
-                await self.wakeup.wait()
+                await self.idle("engine", self.wakeup)
                 continue
-            try:
-                outs = await self.compute(self.run_step, step)
-            except Exception as e:  # noqa: BLE001 - fail these sessions, keep serving
-                self.log.exception("forward failed")
-                for s, _ in step:
-                    await self.error(s.ident, protocol.Close(sid=s.sid, seq=s.seq, rid=s.rid),
-                                     protocol.INTERNAL, f"forward failed: {e}")
-                    self.drop(s.sid)
-                continue
+            self.beat("engine")
+            outs = await self.compute_each(self.run_step, step)
             for (s, work), logits in zip(step, outs):
                 if self.sessions.get(s.sid) is not s:
                     continue  # closed while the forward ran
-                for reply in s.consume(work, logits):
+                if isinstance(logits, Exception):
+                    await self.end_session(s, "forward", logits)
+                    continue
+                try:
+                    replies = s.consume(work, logits)
+                except Exception as e:  # noqa: BLE001 - sampling, a malformed round, ...
+                    await self.end_session(s, "sampling and verification", e)
+                    continue
+                for reply in replies:
                     await self.send(s.ident, reply)
                 if isinstance(s, CloudSession) and s.closed:
                     self.drop(s.sid)

@@ -382,9 +382,7 @@ def install(service) -> None:
                 await service.send(ident, protocol.Ack(sid=msg.sid, seq=msg.seq, rid=msg.rid))
             return
         s = msg.sampling
-        if s.temperature < 0 or not 0 < s.top_p <= 1 or s.top_k < 0:
-            raise ProtocolError(protocol.BAD_FIELD, "sampling: temperature >= 0, 0 < top_p <= 1, "
-                                                    "top_k >= 0")
+        protocol.check_sampling(s, service.vocab_size)
         sess = SpecSession(msg.sid, ident, msg.rid, msg.seq, service.runner.new_kv(),
                            list(msg.token_ids), s, msg.stream and service.cfg.stream_verify,
                            service.vocab_size, service.limits.max_tokens)
