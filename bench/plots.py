@@ -90,10 +90,28 @@ def _tuner(doc: dict, ax) -> None:
     ax.legend(fontsize=8)
 
 
+def _defaults(doc: dict, ax) -> None:
+    """`bench defaults`: TPT per mode, one bar per configuration (error bar: IQR / 2)."""
+    rows = doc["results"]
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    configs = list(dict.fromkeys(r["config"] for r in rows))
+    by = {(r["mode"], r["config"]): r for r in rows}
+    w = 0.8 / max(1, len(configs))
+    for j, c in enumerate(configs):
+        xs = [i + (j - (len(configs) - 1) / 2) * w for i in range(len(modes))]
+        vals = [by[m, c]["tpt_ms"] if (m, c) in by else 0 for m in modes]
+        err = [(by[m, c].get("tpt_ms_iqr") or 0) / 2 if (m, c) in by else 0 for m in modes]
+        ax.bar(xs, vals, w, yerr=err, capsize=2, label=c)
+    ax.set_xticks(range(len(modes)), modes)
+    ax.set_ylabel("time per token (ms, median)")
+    ax.set_title("defaults — `tandem up`'s plan vs hand-set threads and cores")
+    ax.legend(fontsize=8)
+
+
 def plot(doc: dict, path: str | Path) -> Path:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     {"spec": _spec, "split": _split, "overhead": _overhead,
-     "tuner": _tuner}.get(doc["bench"], _overhead)(doc, ax)
+     "tuner": _tuner, "defaults": _defaults}.get(doc["bench"], _overhead)(doc, ax)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -211,6 +211,32 @@ def runner_section(doc: dict, name: str) -> str:
     return "\n".join(lines)
 
 
+def defaults_section(doc: dict, name: str) -> str:
+    """`tandem bench defaults`: each mode's TPT and TTFT per configuration, ratios with CIs."""
+    base = "tuned" if "tuned" in doc.get("configs", []) else doc.get("configs", ["?"])[0]
+    rows = []
+    for r in doc["results"]:
+        rows.append([r["mode"], r["config"], r["n"], _f(r["tpt_ms"]), _f(r["ttft_ms"]),
+                     r.get(f"tpt_ms_vs_{base}", ""), r.get(f"ttft_ms_vs_{base}", "")])
+    out = [f"{doc.get('max_tokens')} tokens per request, prompts {doc.get('prompts')}, "
+           f"{doc.get('repeats')} repeats, configurations interleaved; TPT and TTFT are "
+           f"medians, ratios are means over the same (prompt, repeat) pairs / {base}'s with "
+           f"95 % bootstrap intervals. planned = what `tandem up` starts (the resource plan), "
+           f"tuned = one thread per service pinned (edge core 0, cloud core 1), unplanned = every "
+           f"service on every core with library defaults, passive = that with "
+           f"OMP_WAIT_POLICY=PASSIVE.", "",
+           _md_table(rows, ["mode", "config", "n", "TPT ms", "TTFT ms",
+                            f"TPT / {base} [95% CI]", f"TTFT / {base} [95% CI]"])]
+    if doc.get("goals"):
+        out += ["", "Goals (issue #17):", ""] + [f"* {g}" for g in doc["goals"]]
+    plan = doc.get("plan", {}).get("planned")
+    if plan:
+        out += ["", "The plan: " + "; ".join(
+            f"{n} {p['threads']} thread(s) on cores {','.join(map(str, p['cpus']))}"
+            for n, p in plan.items())]
+    return "\n".join(out)
+
+
 def generic_section(doc: dict, name: str) -> str:
     return (f"### {doc['bench']} — `{name}`\n\n```json\n"
             + json.dumps(doc["results"], indent=1, default=str)[:6000] + "\n```")
@@ -237,7 +263,7 @@ def main(argv=None) -> int:
              "cloud-only here, and the comparisons that carry over to a real edge + cloud GPU "
              "are the policies' against each other. In split mode the cloud is one CPU core, "
              "where batching gains less than on a GPU, so FIFO's handicap is smaller than in "
-             "DySCo's tables. `tandem bench spec|split|tuner|overhead --quick` runs a small "
+             "DySCo's tables. `tandem bench spec|split|tuner|overhead|defaults --quick` runs a small "
              "version of each (tests/test_bench.py runs them in CI).", ""]
     for f in files:
         doc = json.loads(f.read_text())
@@ -248,11 +274,12 @@ def main(argv=None) -> int:
         if doc.get("note"):
             parts += [f"Note: {doc['note']}", ""]
         section = {"spec": spec_section, "split": split_section,
-                   "tuner": tuner_section, "runner": runner_section}.get(doc["bench"], generic_section)
+                   "tuner": tuner_section, "runner": runner_section,
+                   "defaults": defaults_section}.get(doc["bench"], generic_section)
         parts += [section(doc, f.stem), ""]
         drawable = doc["bench"] != "split" or any(
             r.get("throughput_tok_s") is not None for r in split_rows(doc))
-        if doc["bench"] in ("spec", "split", "overhead", "tuner") and drawable:
+        if doc["bench"] in ("spec", "split", "overhead", "tuner", "defaults") and drawable:
             png = plot(doc, img / f"{f.stem}.png")
             parts += [f"![{f.stem}](img/{png.name})", ""]
     PAGE.write_text("\n".join(parts))

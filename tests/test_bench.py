@@ -72,3 +72,22 @@ def test_bench_overhead_quick(tmp_path):
     doc = bench(tmp_path, "overhead")
     kinds = {r.get("kind") for r in doc["results"]}
     assert "transport" in kinds
+
+
+def test_bench_defaults_quick(tmp_path):
+    """`tandem bench defaults --quick` runs the stack as `tandem up` plans it next to the
+    hand-set and the unplanned configurations, and reports every mode for each, with ratios and
+    intervals (a report, not a timed assertion)."""
+    doc = bench(tmp_path, "defaults")
+    rows = doc["results"]
+    assert {(r["mode"], r["config"]) for r in rows} == {
+        (m, c) for m in ("spec", "split", "cloud-only") for c in ("planned", "tuned", "unplanned")}
+    for r in rows:
+        assert r["tpt_ms"] > 0 and r["ttft_ms"] > 0 and r["n"] == 2
+        if r["config"] != "tuned":
+            lo, hi = r["tpt_ms_ratio_ci"]
+            assert r["tpt_ms_ratio"] > 0 and (lo != lo or lo <= hi)   # NaN or an interval
+    assert set(doc["plan"]) == {"planned"}
+    assert {"threads", "cpus", "env"} <= set(doc["plan"]["planned"]["verifier"])
+    assert len(doc["goals"]) == 4
+    assert "planned" in results_page.defaults_section(doc, "defaults")
