@@ -13,9 +13,10 @@ share:
   drafting while the verifier verifies; under load both are always busy) - a third of the cores
   for the edge, the rest for the cloud, which runs the whole target.  A half that runs on a GPU
   needs one core to drive it; the rest go to the other half.
-* Below that (1-3 cores) every service shares every core: halving two cores gives each model
-  one thread, and on the 2-core machine this was written on that is 1.35x slower per token in
-  every mode than both halves on both cores with two threads each (`tandem bench defaults`).
+  Measured on 2 cores (`tandem bench defaults`): both halves on both cores with two threads
+  each is ~0.8x the pinned halves' TPT in split and cloud-only mode but ~2x in speculative mode
+  (drafter and verifier run at once and spin against each other), so the halves split from 2.
+* One core: everybody shares it.
 * Within a half, services serve different modes (drafter: speculative, prefix: split; verifier:
   speculative and cloud-only, suffix: split): they alternate, so each gets all of the half's
   cores and as many threads.  The dispatcher is Python: one thread, on the edge cores.
@@ -46,7 +47,7 @@ from pathlib import Path
 EDGE = ("dispatcher", "drafter", "prefix")
 CLOUD = ("verifier", "suffix")
 LIGHT = ("dispatcher",)          # no model: one thread wherever the edge is
-SPLIT_FROM = 4                   # from this many usable cores the edge and cloud halves split them
+SPLIT_FROM = 2                   # from this many usable cores the edge and cloud halves split them
 SPIN = 20_000                    # OpenMP spins before sleeping where services share cores (~0.2 ms)
 # what every thread pool a service may load reads: OpenMP (torch, llama.cpp), MKL, OpenBLAS
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")

@@ -157,7 +157,7 @@ def test_planned_cluster_takes_settings_as_overrides(tmp_path, monkeypatch):
     assert again.procs["verifier"].threads == 3 and again.procs["drafter"].cpus == [1]
     one = planned(ALL, ephemeral=True, logdir=tmp_path, cpus=[0, 1])
     assert one.shares["verifier"].threads == 3        # TANDEM_VERIFIER_THREADS still wins
-    assert one.shares["suffix"].threads == 2 and one.shares["suffix"].cpus == (0, 1)
+    assert one.shares["suffix"].threads == 1 and one.shares["suffix"].cpus == (1,)
 
 
 def test_serve_plans_its_half(tmp_path):
