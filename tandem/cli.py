@@ -59,12 +59,12 @@ def cmd_models(args) -> int:
     return 0
 
 
-def _fail(args, code: str, message: str, hint: str = "") -> int:
+def _fail(args, code: str, message: str, hint: str = "", field: str = "") -> int:
     """A helpful error, not a traceback: `error: ...` (and a hint) on stderr; with --json also
-    {"error": {"code", "message"}} on stdout, for scripts. Exit status 1."""
+    {"error": {"code", "message", "field"}} on stdout, for scripts. Exit status 1."""
     print(f"error: {message}" + (f"\n  {hint}" if hint else ""), file=sys.stderr)
     if getattr(args, "json", False):
-        print(json.dumps({"error": {"code": code, "message": message}}))
+        print(json.dumps({"error": {"code": code, "message": message, "field": field}}))
     return 1
 
 
@@ -214,9 +214,11 @@ def cmd_status(args) -> int:
     rows = []
     if c is not None:
         for p in c.procs.values():
-            health = "ready" if p.probe("/readyz") else ("alive" if p.probe("/healthz") else "down")
+            ready, why = p.readiness()   # /readyz follows the service's loops, not only HTTP
+            health = "ready" if ready else ("down" if why == "down" else "unready")
             rows.append({"name": p.name, "endpoint": p.endpoint, "pid": p.pid,
                          "http": f"http://127.0.0.1:{p.http_port}", "health": health,
+                         "readiness": why,
                          "threads": p.threads, "cpus": p.cpus})
     if args.json:
         print(json.dumps(rows, indent=2))
@@ -226,8 +228,10 @@ def cmd_status(args) -> int:
         from common.resources import format_cpus  # noqa: PLC0415
         for r in rows:
             share = (f"{r['threads'] or '-':>2} threads on cores {format_cpus(r['cpus']) or 'all':6s}")
-            print(f"{r['name']:10s} {r['endpoint']:24s} pid {r['pid']:<7d} {r['health']:6s} "
+            print(f"{r['name']:10s} {r['endpoint']:24s} pid {r['pid']:<7d} {r['health']:7s} "
                   f"{share} {r['http']}")
+            if r["health"] == "unready":
+                print(f"{'':10s} not ready: {r['readiness']}")
     return 0 if rows and all(r["health"] == "ready" for r in rows) else 1
 
 
@@ -300,7 +304,7 @@ def cmd_generate(args) -> int:
                 "deadline": "no answer in time: is the dispatcher running and healthy? "
                             "(`tandem status`)" if "no answer" in str(e) else "",
                 "busy": "the dispatcher is at capacity; retry later"}.get(code, "")
-        return _fail(args, code, getattr(e, "message", str(e)), hint)
+        return _fail(args, code, getattr(e, "message", str(e)), hint, getattr(e, "field", ""))
     return 0
 
 

@@ -156,11 +156,13 @@ def test_a_poisoned_temperature_is_refused_and_the_next_request_served(
     by the dispatcher and by the verifier when it comes over the wire anyway — and the next
     request is served exactly."""
     out = subprocess.run([sys.executable, "-m", "tandem.cli", "generate", "Hi", "--endpoint",
-                          cluster.endpoint("dispatcher"), "--max-tokens", "4", "--temperature",
-                          value], capture_output=True, text=True, timeout=120)
+                          cluster.endpoint("dispatcher"), "--max-tokens", "4",
+                          f"--temperature={value}", "--json"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 1, out
-    assert "bad_field: temperature:" in out.stderr and "finite" in out.stderr, out.stderr
+    assert "error: temperature: expected a finite" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
+    err = json.loads(out.stdout)["error"]
+    assert err["code"] == "bad_field" and err["field"] == "temperature", err
     t = float(value)
     for endpoint, header in [
             (cluster.endpoint("dispatcher"),
