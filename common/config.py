@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import typing
 from dataclasses import dataclass, field, fields
@@ -80,7 +81,12 @@ def _convert(tp, value):
         if str(value).lower() in ("0", "false", "no", "off"):
             return False
         raise ValueError(f"expected a boolean, got {value!r}")
-    if tp in (int, float, str):
+    if tp is float:   # a NaN or an infinity passes every range check after it: refused here
+        x = float(value)
+        if not math.isfinite(x):
+            raise ValueError(f"expected a finite number, got {value!r}")
+        return x
+    if tp in (int, str):
         return tp(value)
     return value
 
@@ -114,8 +120,13 @@ def load(cls: type, service: str, argv: list[str] | None = None, env: dict | Non
     for name in names:
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
+    converted = {}
+    for k, v in values.items():
+        try:
+            converted[k] = _convert(hints[k], v)
+        except ValueError as e:
+            raise SystemExit(f"bad {service} setting {k.replace('_', '-')}: {e}") from None
     try:
-        converted = {k: _convert(hints[k], v) for k, v in values.items()}
         cfg = cls(**converted)
     except ValueError as e:
         raise SystemExit(f"bad {service} setting: {e}") from None

@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -57,6 +58,17 @@ class ServiceProc:
                 return r.status == 200
         except OSError:
             return False
+
+    def readiness(self, timeout: float = 1.0) -> tuple[bool, str]:
+        """(ready, why): /readyz's status and body — "ready", "loading", "engine loop stalled
+        for 130 s", "failed: ..." — or "down" when nothing answers."""
+        try:
+            with urllib.request.urlopen(self.url("/readyz"), timeout=timeout) as r:
+                return r.status == 200, r.read().decode(errors="replace").strip()
+        except urllib.error.HTTPError as e:
+            return False, e.read().decode(errors="replace").strip()
+        except OSError:
+            return False, "down"
 
     def alive(self) -> bool:
         if not self.pid:

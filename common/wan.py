@@ -39,6 +39,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import math
 import random
 import socket
 from dataclasses import dataclass
@@ -66,8 +67,9 @@ class LinkShape:
     def __post_init__(self):
         for name in ("latency_ms", "jitter_ms", "bandwidth_mbit", "alpha_ms", "partition"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value) or value < 0:   # NaN passes `< 0`
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         if isinstance(self.burst_bytes, bool) or not isinstance(self.burst_bytes, int) \
                 or self.burst_bytes < 1:
             raise ValueError(f"burst_bytes must be an integer >= 1, got {self.burst_bytes!r}")
@@ -428,8 +430,9 @@ class WanProxy:
         mode = mode or self.partition_mode
         if mode not in PARTITION_MODES:
             raise ValueError(f"partition mode must be one of {PARTITION_MODES}")
-        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds < 0:
-            raise ValueError(f"seconds must be a number >= 0, got {seconds!r}")
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) \
+                or not math.isfinite(seconds) or seconds < 0:
+            raise ValueError(f"seconds must be a finite number >= 0, got {seconds!r}")
         if seconds == 0:
             return
         now = asyncio.get_running_loop().time()

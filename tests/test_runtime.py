@@ -335,3 +335,12 @@ Dies(cfg(), "raise").run()
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 1, (r.returncode, r.stderr[-2000:])
     assert "engine loop ended" in r.stderr
+
+
+@pytest.mark.parametrize("argv, env", [(["--heartbeat-s", "nan"], {}),
+                                       ([], {"TANDEM_HEARTBEAT_S": "inf"}),
+                                       (["--heartbeat-s=-inf"], {})])
+def test_non_finite_settings_are_refused_naming_them(argv, env):
+    """A NaN passes every range check after it (nan < 0 is false): refused where it enters."""
+    with pytest.raises(SystemExit, match="heartbeat-s: expected a finite number"):
+        load(ServiceConfig, "verifier", argv, env=env)

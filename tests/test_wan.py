@@ -506,6 +506,13 @@ def test_shape_validation():
     with pytest.raises(ValueError):
         proxy.set("both", bandwidth_mbit=-3)
     assert proxy.up.latency_ms == 5 and proxy.down.bandwidth_mbit == 0  # nothing half-applied
+    for name in ("latency_ms", "jitter_ms", "bandwidth_mbit", "alpha_ms", "partition"):
+        for poison in (float("nan"), float("inf")):   # NaN passes `< 0`; inf never ends
+            with pytest.raises(ValueError, match=f"{name} must be a finite number"):
+                LinkShape(**{name: poison})
+    with pytest.raises(ValueError, match="finite"):
+        proxy.set("both", latency_ms=float("nan"))
+    assert proxy.up.latency_ms == 5
 
 
 # ------------------------------------------------------------------------------------------ CLI
