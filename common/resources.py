@@ -7,19 +7,19 @@ the verifier and the dispatcher take turns within every speculative round, and e
 for the others' spinning threads to be descheduled (issue #17).  `plan()` gives each service a
 share:
 
-* From SPLIT_FROM usable cores on (affinity mask, held to the cgroup CPU quota), the **edge half**
-  (drafter, prefix, dispatcher) and the **cloud half** (verifier, suffix), when both run here as
-  `tandem up` does, get disjoint cores: the halves run at the same time (a pipesd drafter keeps
-  drafting while the verifier verifies; under load both are always busy) - a third of the cores
-  for the edge, the rest for the cloud, which runs the whole target.  A half that runs on a GPU
-  needs one core to drive it; the rest go to the other half.
-  Measured on 2 cores (`tandem bench defaults`): both halves on both cores with two threads
-  each is ~0.8x the pinned halves' TPT in split and cloud-only mode but ~2x in speculative mode
-  (drafter and verifier run at once and spin against each other), so the halves split from 2.
+* From SPLIT_FROM usable cores on, the **edge half** (drafter, dispatcher) and the **cloud
+  half** get disjoint shares for what runs at the same time: in speculative mode the drafter
+  drafts while the verifier verifies, so the drafter keeps to a third of the cores and the
+  verifier, while it holds speculative sessions, to as many threads as the rest (its
+  `spec_threads`, set through TANDEM_VERIFIER_SPEC_THREADS). A half that runs on a GPU needs
+  one core to drive it; the rest go to the other half.
+* What takes turns gets every core (ALTERNATING): split mode's prefix and suffix (a session's
+  token passes through one, then the other) and the verifier outside speculative mode.
+  Measured on 2 cores (`tandem bench defaults`, docs/results/defaults.json): the halves pinned
+  apart with one thread each cost split and cloud-only ~20 % against every service on both
+  cores; every service on both cores with two threads doubled speculative mode's TPT.
 * One core: everybody shares it.
-* Within a half, services serve different modes (drafter: speculative, prefix: split; verifier:
-  speculative and cloud-only, suffix: split): they alternate, so each gets all of the half's
-  cores and as many threads.  The dispatcher is Python: one thread, on the edge cores.
+* The dispatcher is Python: one thread, on the edge cores.
 * A service on a GPU runs one CPU thread.
 * Services that share cores spin briefly, then sleep: GOMP_SPINCOUNT=SPIN (~0.2 ms) instead of
   OpenMP's ~3 ms, so a service whose turn is over gives the cores back at once, while its own
@@ -47,6 +47,7 @@ from pathlib import Path
 EDGE = ("dispatcher", "drafter", "prefix")
 CLOUD = ("verifier", "suffix")
 LIGHT = ("dispatcher",)          # no model: one thread wherever the edge is
+ALTERNATING = ("verifier", "prefix", "suffix")   # never busy at once with the other half's model
 SPLIT_FROM = 2                   # from this many usable cores the edge and cloud halves split them
 SPIN = 20_000                    # OpenMP spins before sleeping where services share cores (~0.2 ms)
 # what every thread pool a service may load reads: OpenMP (torch, llama.cpp), MKL, OpenBLAS
@@ -115,19 +116,32 @@ def plan(cpus: Iterable[int], services: Sequence[str], gpu: Iterable[str] = (),
         side = {"edge": cores, "cloud": cores}
 
     out: dict[str, Share] = {}
+    split = side["edge"] != side["cloud"]
     for name in services:
         where = "edge" if name in EDGE else "cloud"
         mine = pinned.get(name, side[where])
         one = name in LIGHT or name in gpu
+        # The halves only run at the same time in speculative mode (the drafter drafts while
+        # the verifier verifies). The split-mode models (prefix, suffix) take turns with each
+        # other, and cloud-only has the verifier alone: on CPU they get every core, and the
+        # verifier keeps to the cloud's share only while it has speculative sessions
+        # (`spec_threads`). Measured on 2 cores: pinned halves cost split and cloud-only ~20 %.
+        alternates = split and not one and name in ALTERNATING and name not in pinned
+        if alternates:
+            mine = cores
         t = threads.get(name) or (1 if one else len(mine))
-        split = side["edge"] != side["cloud"]
-        note = ("pinned" if name in pinned else f"{where} cores" if split else "all cores") + (
+        note = ("pinned" if name in pinned else "all cores" if alternates or not split
+                else f"{where} cores") + (
             ", GPU" if name in gpu else ", no model" if name in LIGHT else "")
-        out[name] = Share(t, tuple(mine), note=note)
-    # who shares cores with whom: those wait passively
+        share = Share(t, tuple(mine), note=note)
+        if alternates and name == "verifier":
+            share = Share(t, tuple(mine), {"TANDEM_VERIFIER_SPEC_THREADS": str(len(side["cloud"]))},
+                          note + f", {len(side['cloud'])} while speculating")
+        out[name] = share
+    # who shares cores with whom: they spin briefly, then sleep
     for name, s in out.items():
         others = [o for o, x in out.items() if o != name and set(x.cpus) & set(s.cpus)]
-        env = {v: str(s.threads) for v in THREAD_VARS}
+        env = {**s.env, **{v: str(s.threads) for v in THREAD_VARS}}
         if s.threads > len(s.cpus):          # oversubscribed by itself: never spin
             env["OMP_WAIT_POLICY"] = "PASSIVE"
         elif others:

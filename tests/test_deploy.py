@@ -599,7 +599,7 @@ def test_compose_carries_the_resource_plan():
     """Threads and cores (common/resources.py): every service plans its own threads (0), spins
     briefly before sleeping, and each half takes the cpuset given for it; the cpusets docs/deploy.md lists
     for an N-core host are the plan's halves, as `tandem up` makes them."""
-    from common.resources import SPIN, format_cpus, plan
+    from common.resources import SPIN, format_cpus, parse_cpus, plan
     cfg = compose_config(("edge", "cloud"))
     for svc in SERVICES:
         s = cfg["services"][svc]
@@ -621,13 +621,17 @@ def test_compose_carries_the_resource_plan():
     assert len(table) >= 2, "docs/deploy.md lists the cpusets for 4 and 8 cores"
     everything = ("verifier", "drafter", "prefix", "suffix", "dispatcher")
     for n, edge, cloud in table:
-        p = plan(range(int(n)), everything)
-        assert (format_cpus(p["drafter"].cpus), format_cpus(p["verifier"].cpus)) == (edge, cloud)
+        p = plan(range(int(n)), everything)   # the cloud's share: what the verifier speculates on
+        rest = format_cpus(set(range(int(n))) - set(p["drafter"].cpus))
+        assert (format_cpus(p["drafter"].cpus), rest) == (edge, cloud)
+        assert int(p["verifier"].env["TANDEM_VERIFIER_SPEC_THREADS"]) == len(parse_cpus(cloud))
     listed = re.findall(r'"([\d-]+)" / "([\d-]+)" on (\d+)', COMPOSE.read_text())
     assert len(listed) >= 2, "compose.yaml's header lists the cpusets for 4 and 8 cores"
     for edge, cloud, n in listed:
-        p = plan(range(int(n)), everything)
-        assert (format_cpus(p["drafter"].cpus), format_cpus(p["verifier"].cpus)) == (edge, cloud)
+        p = plan(range(int(n)), everything)   # the cloud's share: what the verifier speculates on
+        rest = format_cpus(set(range(int(n))) - set(p["drafter"].cpus))
+        assert (format_cpus(p["drafter"].cpus), rest) == (edge, cloud)
+        assert int(p["verifier"].env["TANDEM_VERIFIER_SPEC_THREADS"]) == len(parse_cpus(cloud))
 
 
 def test_compose_as_users_run_it():

@@ -11,3 +11,4 @@ class VerifierConfig(ServiceConfig):
     max_batch_tokens: int = 512       # tokens in one forward call; longer prefills are chunked
     max_batch_sessions: int = 32      # sessions in one forward call
     stream_verify: bool = True        # run the forward over draft batches as they arrive
+    spec_threads: int = 0             # torch threads while a speculative session is open: the drafter then drafts beside us (on this machine under `tandem up`), so we keep to our share of the cores; 0 = threads

@@ -194,6 +194,16 @@ class Verifier(Service):
     def run_step(self, step):
         from common.runner import Segment  # noqa: PLC0415
 
+        # While a speculative session is open a drafter drafts at the same time as we verify
+        # (PipeSD drafts ahead); when it runs on this machine (the resource plan,
+        # common/resources.py), its cores are not ours to spin on. Alone, we take them all.
+        threads = self.cfg.threads
+        if self.cfg.spec_threads and any(not isinstance(s, CloudSession)
+                                         for s in self.sessions.values()):
+            threads = self.cfg.spec_threads
+        if threads and torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+
         segs = [Segment(s.kv, torch.tensor(w.token_ids, dtype=torch.long),
                         "all" if w.logits == "all" else "last") for s, w in step]
         t = time.perf_counter()
