@@ -189,3 +189,37 @@ def test_serve_plans_its_half(tmp_path):
     n = len(usable_cpus())
     assert f"'--threads', '{n}'" in r.stdout
     assert "[resources] drafter:" in r.stderr and "wait" in r.stderr
+
+
+def test_verifier_keeps_to_its_share_only_while_speculating():
+    """spec_threads: the drafter drafts beside a speculating verifier, so the verifier runs its
+    share of threads then, and every thread it has otherwise (cloud-only)."""
+    import torch
+
+    from common.launcher import free_port
+    from services.verifier.config import VerifierConfig
+    from services.verifier.service import CloudSession, EngineSession, Verifier, Work
+
+    class Runner:
+        num_layers = 1
+        seen: list[int] = []
+
+        def forward(self, segs, a, b):
+            self.seen.append(torch.get_num_threads())
+            return [torch.zeros(1, 4) for _ in segs]
+
+    before = torch.get_num_threads()
+    try:
+        v = Verifier(VerifierConfig(bind=f"tcp://127.0.0.1:{free_port()}", http_port=0,
+                                    threads=2, spec_threads=1))
+        v.runner = Runner()
+        step = [(EngineSession("c", b"", 1, 0, None), Work([1], "last", "decode"))]
+        v.sessions = {"c": object.__new__(CloudSession)}
+        v.run_step(step)
+        v.sessions["s"] = EngineSession("s", b"", 1, 0, None)     # a speculative session
+        v.run_step(step)
+        del v.sessions["s"]
+        v.run_step(step)
+        assert Runner.seen == [2, 1, 2]
+    finally:
+        torch.set_num_threads(before)
