@@ -1,0 +1,711 @@
+"""The OpenAI-compatible HTTP API over Tandem (Starlette, served by uvicorn: api/service.py).
+
+    GET  /v1/models                 the served model
+    POST /v1/completions            prompt -> text
+    POST /v1/chat/completions       messages (system / developer / user / assistant) -> text,
+                                    rendered with the target's chat template here
+    GET  /metrics /healthz /readyz  Prometheus metrics, liveness, readiness
+
+`stream: true` answers Server-Sent Events in OpenAI's chunk shape ending with `data: [DONE]`
+(`stream_options.include_usage` adds a usage chunk). `stop` strings are found in the decoded
+text: the request is cancelled on the dispatcher at once, the stop string is not returned.
+Tandem's own options ride as extra body fields (openai-python's `extra_body`): `mode`,
+`policy`, `cut`, `deadline_s`, `nav_thresholds`, `top_k`, `allow_edge_only`, `ignore_eos`.
+
+Errors answer OpenAI's shape {"error": {"message", "type", "param", "code"}}: 400 for a bad
+request (naming the field in `param`), 413 for a body over `max_body_bytes`, 429 (Retry-After)
+when the dispatcher is busy, 503 when it or a service the mode needs is unavailable, 504 when
+the deadline passed. A client that disconnects mid-stream cancels its request on the dispatcher
+(the SDK's async generator sends Cancel when it is closed or its task cancelled).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import time
+import uuid
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from api import metrics
+from api.config import ApiConfig
+from tandem.errors import (Busy, Cancelled, DeadlineExceeded, InvalidRequest, ServerError,
+                           TandemError, Unavailable)
+
+log = logging.getLogger("tandem.api")
+
+MODES = ("cloud-only", "spec", "split")
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+# Request fields Tandem cannot honour: refused (400 naming the field) when set to anything but
+# their "off" value, rather than silently ignored.
+UNSUPPORTED_CHAT = ("logprobs", "top_logprobs", "tools", "tool_choice", "functions",
+                    "function_call", "logit_bias", "presence_penalty", "frequency_penalty",
+                    "response_format", "audio", "modalities", "prediction", "web_search_options")
+UNSUPPORTED_COMPLETIONS = ("logprobs", "logit_bias", "presence_penalty", "frequency_penalty",
+                           "best_of", "echo", "suffix")
+
+
+def _is_off(name: str, value: Any) -> bool:
+    if value is None or value is False or value in ({}, [], ""):
+        return True
+    if name in ("presence_penalty", "frequency_penalty") and isinstance(value, (int, float)) \
+            and not isinstance(value, bool) and value == 0:
+        return True
+    if name == "best_of" and value == 1 and not isinstance(value, bool):
+        return True
+    if name == "logprobs" and value == 0 and not isinstance(value, bool):
+        return True
+    if name == "tool_choice" and value == "none":
+        return True
+    if name == "response_format" and isinstance(value, dict) and value.get("type") == "text":
+        return True
+    if name == "modalities" and value == ["text"]:
+        return True
+    return False
+
+
+class ApiError(Exception):
+    """An answer in OpenAI's error shape."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None, type: str = "invalid_request_error",
+                 headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type, self.headers = type, headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+_REQUEST_FIELDS = ("cut", "mode", "policy", "max_tokens", "temperature", "top_k", "top_p", "seed",
+                   "nav_thresholds", "deadline_s", "prompt")
+
+
+def from_tandem(e: TandemError, retry_after_s: int = 1) -> ApiError:
+    """A typed SDK error as the HTTP answer OpenAI clients expect."""
+    if isinstance(e, InvalidRequest):
+        field = e.field
+        if not field:   # a service's rule that names no field (e.g. the prefix's "cut 99 outside")
+            head = e.message.split(" ", 1)[0].strip(":")
+            field = head if head in _REQUEST_FIELDS else ""
+        code = "context_length_exceeded" if e.code == "too_large" and field == "prompt" \
+            else e.code
+        return ApiError(400, e.message, param=field or None, code=code)
+    if isinstance(e, Busy):
+        return ApiError(429, e.message, code=e.code, type="rate_limit_error",
+                        headers={"Retry-After": str(retry_after_s)})
+    if isinstance(e, DeadlineExceeded):
+        return ApiError(504, e.message, code=e.code, type="timeout_error")
+    if isinstance(e, (Unavailable, Cancelled)):
+        return ApiError(503, e.message, code=e.code, type="service_unavailable_error")
+    assert isinstance(e, (ServerError, TandemError))
+    return ApiError(500, e.message, code=e.code, type="server_error")
+
+
+# --- request validation -------------------------------------------------------------------------
+
+def _type_error(name: str, want: str, value: Any) -> ApiError:
+    return ApiError(400, f"{name}: expected {want}, got {type(value).__name__} {value!r:.60}",
+                    param=name, code="invalid_type")
+
+
+def _range_error(name: str, want: str, value: Any) -> ApiError:
+    return ApiError(400, f"{name}: expected {want}, got {value!r:.60}", param=name,
+                    code="invalid_value")
+
+
+def get_int(body: dict, name: str, default=None, lo: int | None = None, hi: int | None = None):
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int):
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
+        else:
+            raise _type_error(name, "an integer", v)
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        want = (f"an integer in [{lo}, {hi}]" if lo is not None and hi is not None else
+                f"an integer >= {lo}" if lo is not None else f"an integer <= {hi}")
+        raise _range_error(name, want, v)
+    return v
+
+
+def get_num(body: dict, name: str, default=None, lo: float | None = None,
+            hi: float | None = None, lo_open: bool = False):
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise _type_error(name, "a number", v)
+    v = float(v)
+    bad = not math.isfinite(v) or (lo is not None and (v <= lo if lo_open else v < lo)) or \
+        (hi is not None and v > hi)
+    if bad:
+        left = "(" if lo_open else "["
+        raise _range_error(name, f"a number in {left}{lo}, {hi}]" if hi is not None
+                           else f"a number {'>' if lo_open else '>='} {lo}", v)
+    return v
+
+
+def get_bool(body: dict, name: str, default: bool = False) -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise _type_error(name, "a boolean", v)
+    return v
+
+
+def get_str(body: dict, name: str, default: str = "") -> str:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, str):
+        raise _type_error(name, "a string", v)
+    return v
+
+
+class Params:
+    """What one request asks for, checked: the SDK's keyword arguments and the gateway's own."""
+
+    def __init__(self, body: dict, cfg: ApiConfig, route: str, model_ids: tuple[str, ...]):
+        chat = route == "/v1/chat/completions"
+        model = body.get("model")
+        if model is None:
+            raise ApiError(400, "model: required (GET /v1/models lists the served model)",
+                           param="model", code="missing_required_parameter")
+        if not isinstance(model, str):
+            raise _type_error("model", "a string", model)
+        if model not in model_ids:
+            raise ApiError(400, f"model {model!r} does not exist; this server serves "
+                           f"{model_ids[0]!r}", param="model", code="model_not_found")
+        self.model = model
+        for name in UNSUPPORTED_CHAT if chat else UNSUPPORTED_COMPLETIONS:
+            if name in body and not _is_off(name, body[name]):
+                raise ApiError(400, f"{name} is not supported by Tandem", param=name,
+                               code="unsupported_parameter")
+        n = get_int(body, "n", 1, lo=1, hi=128)
+        if n != 1:
+            raise ApiError(400, "n: only n = 1 is supported (send one request per choice)",
+                           param="n", code="unsupported_value")
+        self.stream = get_bool(body, "stream")
+        opts = body.get("stream_options")
+        self.include_usage = False
+        if opts is not None:
+            if not isinstance(opts, dict):
+                raise _type_error("stream_options", "an object", opts)
+            if not self.stream:
+                raise ApiError(400, "stream_options: only allowed with stream: true",
+                               param="stream_options", code="invalid_value")
+            self.include_usage = get_bool(opts, "include_usage")
+        max_tokens = get_int(body, "max_tokens", None, lo=1)
+        if chat:
+            max_tokens = get_int(body, "max_completion_tokens", max_tokens, lo=1)
+        self.max_tokens = cfg.default_max_tokens if max_tokens is None else max_tokens
+        stop = body.get("stop")
+        if stop is None:
+            self.stop: list[str] = []
+        elif isinstance(stop, str):
+            self.stop = [stop] if stop else []
+        elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+            if len(stop) > cfg.max_stop:
+                raise _range_error("stop", f"at most {cfg.max_stop} strings", stop)
+            self.stop = [s for s in stop if s]
+        else:
+            raise _type_error("stop", "a string or a list of strings", stop)
+        mode = get_str(body, "mode", cfg.default_mode)
+        if mode not in MODES:
+            raise _range_error("mode", " | ".join(MODES), mode)
+        self.mode = mode
+        nav = body.get("nav_thresholds")
+        if nav is not None:
+            if not (isinstance(nav, list) and len(nav) == 2 and all(
+                    isinstance(x, (int, float)) and not isinstance(x, bool) for x in nav)):
+                raise _type_error("nav_thresholds", "a list of two numbers [R1, R2]", nav)
+        deadline = get_num(body, "deadline_s", None, lo=0, lo_open=True)
+        self.sdk = dict(
+            mode=mode, max_tokens=self.max_tokens,
+            temperature=get_num(body, "temperature", cfg.default_temperature, lo=0, hi=2),
+            top_p=get_num(body, "top_p", 1.0, lo=0, hi=1),
+            top_k=get_int(body, "top_k", 0, lo=0),
+            seed=get_int(body, "seed", None),
+            policy=get_str(body, "policy", cfg.default_policy),
+            cut=get_int(body, "cut", cfg.default_cut, lo=0),
+            deadline_s=cfg.request_timeout_s if deadline is None else deadline,
+            allow_edge_only=get_bool(body, "allow_edge_only"),
+            stop_at_eos=not get_bool(body, "ignore_eos"),
+            nav_thresholds=None if nav is None else (float(nav[0]), float(nav[1])))
+
+
+# --- prompts ------------------------------------------------------------------------------------
+
+def _content_text(i: int, content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or \
+                    not isinstance(part.get("text"), str):
+                raise ApiError(400, f"messages[{i}].content: only text parts are supported",
+                               param=f"messages[{i}].content", code="unsupported_value")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise _type_error(f"messages[{i}].content", "a string or a list of text parts", content)
+
+
+def chat_messages(body: dict, max_messages: int) -> list[dict]:
+    msgs = body.get("messages")
+    if msgs is None:
+        raise ApiError(400, "messages: required", param="messages",
+                       code="missing_required_parameter")
+    if not isinstance(msgs, list):
+        raise _type_error("messages", "a list of messages", msgs)
+    if not msgs:
+        raise ApiError(400, "messages: at least one message is required", param="messages",
+                       code="invalid_value")
+    if len(msgs) > max_messages:
+        raise ApiError(400, f"messages: {len(msgs)} messages is over the limit of "
+                       f"{max_messages}", param="messages", code="too_many_messages")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise _type_error(f"messages[{i}]", "an object", m)
+        role = m.get("role")
+        if role not in ROLES:
+            if role in ("tool", "function"):
+                raise ApiError(400, f"messages[{i}].role: {role!r} messages (tool calling) are "
+                               "not supported", param=f"messages[{i}].role",
+                               code="unsupported_value")
+            raise _range_error(f"messages[{i}].role", "system, developer, user or assistant",
+                               role)
+        if m.get("tool_calls"):
+            raise ApiError(400, f"messages[{i}].tool_calls: tool calling is not supported",
+                           param=f"messages[{i}].tool_calls", code="unsupported_value")
+        content = m.get("content")
+        if content is None and role == "assistant":
+            content = ""
+        out.append({"role": ROLES[role], "content": _content_text(i, content)})
+    return out
+
+
+def completion_prompt(body: dict) -> str | list[int]:
+    p = body.get("prompt")
+    if p is None:
+        raise ApiError(400, "prompt: required", param="prompt", code="missing_required_parameter")
+    if isinstance(p, list) and p and all(isinstance(x, int) and not isinstance(x, bool)
+                                         for x in p):
+        return p
+    if isinstance(p, list):
+        if len(p) != 1:
+            raise ApiError(400, "prompt: one prompt per request (batched prompts are not "
+                           "supported)", param="prompt", code="unsupported_value")
+        return completion_prompt({"prompt": p[0]})
+    if not isinstance(p, str):
+        raise _type_error("prompt", "a string or a list of token ids", p)
+    return p
+
+
+class StopScanner:
+    """Finds stop strings in the streamed text; holds back the tail that could start one."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.buf = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """(text safe to send, whether a stop string appeared: then nothing after it counts)."""
+        self.buf += text
+        if self.stops:
+            hits = [i for i in (self.buf.find(s) for s in self.stops) if i >= 0]
+            if hits:
+                out, self.buf = self.buf[:min(hits)], ""
+                return out, True
+        cut = max(len(self.buf) - self.hold, 0)
+        out, self.buf = self.buf[:cut], self.buf[cut:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.buf = self.buf, ""
+        return out
+
+
+# --- the gateway --------------------------------------------------------------------------------
+
+class Gateway:
+    def __init__(self, cfg: ApiConfig):
+        self.cfg = cfg
+        self.tokenizer = None
+        self.client = None
+        self.ready = False
+        self.model_ids: tuple[str, ...] = (cfg.model,)
+        self.created = int(time.time())
+
+    async def start(self) -> None:
+        from common import models  # noqa: PLC0415
+        from tandem.client import AsyncClient  # noqa: PLC0415
+
+        path = models.resolve_target(self.cfg.target)
+        self.tokenizer = await asyncio.to_thread(_load_tokenizer, path)
+        self.model_ids = tuple(dict.fromkeys((self.cfg.model, Path(path).name)))
+        self.client = AsyncClient(
+            self.cfg.dispatcher, timeout_s=self.cfg.request_timeout_s,
+            connect_timeout_s=self.cfg.connect_timeout_s,
+            curve_server_key=self.cfg.curve_server_key or None,
+            curve_client_key=self.cfg.curve_client_key or None)
+        metrics.declare()
+        self.ready = True
+        log.info("gateway ready: model %s, dispatcher %s", self.model_ids, self.cfg.dispatcher)
+
+    async def stop(self) -> None:
+        self.ready = False
+        if self.client is not None:
+            await self.client.close()
+
+    # --- prompts -> token ids ---
+    async def _tokens(self, fn, size: int) -> list[int]:
+        # short prompts inline (microseconds); long ones off the event loop
+        ids = await asyncio.to_thread(fn) if size > 8192 else fn()
+        ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        return ids
+
+    async def chat_ids(self, messages: list[dict]) -> list[int]:
+        size = sum(len(m["content"]) for m in messages)
+        return await self._tokens(lambda: self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False), size)
+
+    async def prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, list):
+            vocab = len(self.tokenizer)
+            bad = [t for t in prompt if not 0 <= t < vocab]
+            if bad:
+                raise ApiError(400, f"prompt: token ids outside the vocabulary: {bad[:5]}",
+                               param="prompt", code="invalid_value")
+            return prompt
+        return await self._tokens(lambda: self.tokenizer.encode(prompt), len(prompt))
+
+    def check_length(self, ids: list[int], param: str) -> None:
+        if not ids:
+            raise ApiError(400, f"{param}: empty prompt", param=param, code="invalid_value")
+        if len(ids) > self.cfg.max_prompt_tokens:
+            raise ApiError(400, f"{param}: the prompt is {len(ids)} tokens, over the limit of "
+                           f"{self.cfg.max_prompt_tokens}", param=param,
+                           code="context_length_exceeded")
+
+    # --- one generation ---
+    async def pieces(self, run: "Run") -> AsyncIterator[str]:
+        """The text to send, in pieces; run.finish / run.tokens / run.stats filled as it goes.
+        Closing this generator (or cancelling its task) cancels the request on the dispatcher."""
+        agen = self.client.generate(run.ids, **run.params.sdk)
+        scan = StopScanner(run.params.stop)
+        try:
+            while True:
+                try:
+                    chunk = await agen.__anext__()
+                except StopAsyncIteration:
+                    # set by the SDK in the same event-loop step that ended the stream: no other
+                    # request's result can be there yet
+                    r = self.client.last_result
+                    run.stats = dict(r.stats) if r is not None else {}
+                    run.finish = "length" if r is not None and r.finish_reason == "length" \
+                        else "stop"
+                    tail = scan.flush()
+                    if tail:
+                        yield tail
+                    return
+                run.tokens += len(chunk.token_ids)
+                text, stopped = scan.feed(chunk.text)
+                if text:
+                    run.first()
+                    yield text
+                if stopped:
+                    run.finish = "stop"
+                    metrics.CANCELLED.labels(run.route, "stop").inc()
+                    return   # the finally closes the SDK stream: Cancel to the dispatcher
+        except (GeneratorExit, asyncio.CancelledError):
+            metrics.CANCELLED.labels(run.route, "disconnect").inc()
+            raise
+        finally:
+            await agen.aclose()
+
+
+class Run:
+    """One generation's bookkeeping."""
+
+    def __init__(self, route: str, ids: list[int], params: Params):
+        self.route, self.ids, self.params = route, ids, params
+        self.t0 = time.monotonic()
+        self.ttft: float | None = None
+        self.tokens = 0
+        self.finish: str | None = None
+        self.stats: dict = {}
+        self.id = ("chatcmpl-" if route == "/v1/chat/completions" else "cmpl-") + \
+            uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+
+    def first(self) -> None:
+        if self.ttft is None:
+            self.ttft = time.monotonic() - self.t0
+            metrics.TTFT.labels(self.route, self.params.mode).observe(self.ttft)
+
+    def usage(self) -> dict:
+        prompt = len(self.ids)
+        return {"prompt_tokens": prompt, "completion_tokens": self.tokens,
+                "total_tokens": prompt + self.tokens}
+
+    def done(self) -> None:
+        mode = self.params.mode
+        metrics.PROMPT_TOKENS.labels(self.route, mode).inc(len(self.ids))
+        metrics.COMPLETION_TOKENS.labels(self.route, mode).inc(self.tokens)
+        if self.tokens:
+            metrics.TPT.labels(self.route, mode).observe(
+                (time.monotonic() - self.t0) / self.tokens)
+
+
+def _load_tokenizer(path):
+    from transformers import AutoTokenizer  # noqa: PLC0415
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+async def read_body(request: Request, limit: int) -> dict:
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise ApiError(413, f"request body of {length} bytes is over the limit of {limit}",
+                       code="request_too_large")
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > limit:
+            raise ApiError(413, f"request body is over the limit of {limit} bytes",
+                           code="request_too_large")
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+    return data
+
+
+def _sse(obj: dict | str) -> bytes:
+    return b"data: " + (obj if isinstance(obj, str) else
+                        json.dumps(obj, separators=(",", ":"))).encode() + b"\n\n"
+
+
+def create_app(cfg: ApiConfig | None = None) -> Starlette:
+    cfg = cfg or ApiConfig()
+    gw = Gateway(cfg)
+
+    async def models_route(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [
+            {"id": m, "object": "model", "created": gw.created, "owned_by": "tandem"}
+            for m in gw.model_ids[:1]]})
+
+    async def generation(request: Request) -> Response:
+        route = request.url.path
+        chat = route == "/v1/chat/completions"
+        try:
+            if not gw.ready:
+                raise ApiError(503, "the gateway is starting", code="unavailable",
+                               type="service_unavailable_error")
+            body = await read_body(request, cfg.max_body_bytes)
+            params = Params(body, cfg, route, gw.model_ids)
+            if chat:
+                ids = await gw.chat_ids(chat_messages(body, cfg.max_messages))
+                gw.check_length(ids, "messages")
+            else:
+                ids = await gw.prompt_ids(completion_prompt(body))
+                gw.check_length(ids, "prompt")
+            run = Run(route, ids, params)
+            if params.stream:
+                return await stream(run, chat)
+            return await whole(run, chat)
+        except ApiError as e:
+            return e.response()
+
+    async def whole(run: Run, chat: bool) -> Response:
+        metrics.ACTIVE.labels(run.route).inc()
+        try:
+            text = "".join([p async for p in gw.pieces(run)])
+        except TandemError as e:
+            raise from_tandem(e, cfg.retry_after_s) from None
+        finally:
+            metrics.ACTIVE.labels(run.route).dec()
+        run.done()
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text,
+                                              "refusal": None},
+                      "logprobs": None, "finish_reason": run.finish}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": run.finish}
+        return JSONResponse({
+            "id": run.id, "object": "chat.completion" if chat else "text_completion",
+            "created": run.created, "model": run.params.model, "system_fingerprint": None,
+            "choices": [choice], "usage": run.usage(), "tandem": run.stats})
+
+    async def stream(run: Run, chat: bool) -> Response:
+        head = {"id": run.id, "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": run.created, "model": run.params.model, "system_fingerprint": None}
+        usage_null = {"usage": None} if run.params.include_usage else {}
+
+        def chunk(text: str | None, finish: str | None, first: bool = False) -> bytes:
+            if chat:
+                delta = ({"role": "assistant", "content": ""} if first else
+                         {} if text is None else {"content": text})
+                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": text or "", "logprobs": None,
+                          "finish_reason": finish}
+            return _sse({**head, "choices": [choice], **usage_null})
+
+        pieces = gw.pieces(run)
+        metrics.ACTIVE.labels(run.route).inc()
+        closed = False
+
+        async def close() -> None:   # once, whichever way the stream ends
+            nonlocal closed
+            if not closed:
+                closed = True
+                metrics.ACTIVE.labels(run.route).dec()
+                await pieces.aclose()   # unless finished: Cancel to the dispatcher
+
+        # The first piece before the answer starts: an error up to there is an HTTP status.
+        try:
+            first: str | None = await pieces.__anext__()
+        except StopAsyncIteration:
+            first = None
+        except TandemError as e:
+            await close()
+            raise from_tandem(e, cfg.retry_after_s) from None
+        except BaseException:
+            await close()
+            raise
+
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                if chat:
+                    yield chunk(None, None, first=True)
+                if first is not None:
+                    yield chunk(first, None)
+                    async for text in pieces:
+                        yield chunk(text, None)
+                run.done()
+                yield chunk(None, run.finish)
+                if run.params.include_usage:
+                    yield _sse({**head, "choices": [], "usage": run.usage()})
+                yield _sse("[DONE]")
+            except TandemError as e:   # after the answer started: an error event, as OpenAI
+                yield _sse(from_tandem(e, cfg.retry_after_s).body())
+            finally:
+                await close()
+
+        return EventStream(events(), close, media_type="text/event-stream",
+                           headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def metrics_route(request: Request) -> Response:
+        return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
+    async def healthz(request: Request) -> Response:
+        return PlainTextResponse("ok")
+
+    async def readyz(request: Request) -> Response:
+        return PlainTextResponse("ready" if gw.ready else "loading",
+                                 status_code=200 if gw.ready else 503)
+
+    async def not_found(request: Request, exc) -> Response:
+        return ApiError(404, f"no route {request.method} {request.url.path}",
+                        code="not_found").response()
+
+    async def not_allowed(request: Request, exc) -> Response:
+        return ApiError(405, f"method {request.method} not allowed on {request.url.path}",
+                        code="method_not_allowed").response()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        await gw.start()
+        try:
+            yield
+        finally:
+            await gw.stop()
+
+    app = Starlette(routes=[
+        Route("/v1/models", models_route, methods=["GET"]),
+        Route("/v1/completions", generation, methods=["POST"]),
+        Route("/v1/chat/completions", generation, methods=["POST"]),
+        Route("/metrics", metrics_route, methods=["GET"]),
+        Route("/healthz", healthz, methods=["GET"]),
+        Route("/readyz", readyz, methods=["GET"]),
+    ], lifespan=lifespan, exception_handlers={404: not_found, 405: not_allowed})
+    app.state.gateway = gw
+    return CountRequests(app)
+
+
+class EventStream(StreamingResponse):
+    """A streaming answer that notices a client going away while it waits for the next token
+    (not only at its next write), and then closes the stream: the request is cancelled on the
+    dispatcher at once, whatever point the generation is at."""
+
+    def __init__(self, content, on_close, **kw):
+        super().__init__(content, **kw)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        async def disconnected() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        streaming = asyncio.ensure_future(self.stream_response(send))
+        watching = asyncio.ensure_future(disconnected())
+        try:
+            await asyncio.wait((streaming, watching), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (streaming, watching):
+                task.cancel()
+            results = await asyncio.gather(streaming, watching, return_exceptions=True)
+            await self.body_iterator.aclose()
+            await self.on_close()
+        err = results[0]
+        if isinstance(err, Exception) and not isinstance(err, OSError):
+            raise err
+
+
+class CountRequests:
+    """ASGI middleware: tandem_api_requests_total{route, status} for every answer."""
+
+    def __init__(self, app):
+        self.app = app
+        self.state = app.state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        route = metrics.route_of(scope.get("path", ""))
+        status = {"code": 500}
+
+        async def send_status(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            if route != "other":
+                metrics.REQUESTS.labels(route, str(status["code"])).inc()

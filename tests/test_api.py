@@ -1,0 +1,398 @@
+"""The OpenAI-compatible gateway (api/, `tandem serve api`) against a live stack.
+
+One cluster of all five services (loopback, ephemeral ports; the dispatcher with a per-client
+token quota, so one test can make it answer busy) and the gateway as `tandem serve api` in a
+subprocess; a second gateway points at a dispatcher that does not exist (503). The official
+`openai` client (sync and async, streaming and not, chat and completions, stop strings, spec and
+split through `extra_body`) must get transformers' greedy text; raw HTTP (httpx) checks every
+error's status and OpenAI error shape, the SSE framing, and that a client disconnecting
+mid-stream cancels its request on the dispatcher (its active-sessions gauge back to 0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from api.app import StopScanner
+from common.launcher import Cluster, free_port
+from common.models import repo_root
+from tests.conftest import PROMPTS
+
+MODEL = "tandem"
+QUOTA = 1000   # the dispatcher's --client-max-tokens: prompt + max_tokens in flight per client
+
+
+def _gateway(dispatcher: str, logdir: Path, name: str, *extra: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    log = open(logdir / f"{name}.log", "wb")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join([str(repo_root()), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", "serve", "api", "--port",
+                             str(port), "--dispatcher", dispatcher, *extra], stdout=log,
+                            stderr=subprocess.STDOUT, env=env, cwd=str(repo_root()))
+    log.close()
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def _wait_http(proc: subprocess.Popen, base: str, log: Path, timeout: float = 120) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"gateway exited: {log.read_text(errors='replace')[-3000:]}")
+        try:
+            if httpx.get(base + "/readyz", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"gateway not ready: {log.read_text(errors='replace')[-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def stack(model_paths, tmp_path_factory):
+    logdir = tmp_path_factory.mktemp("api-logs")
+    c = Cluster(ephemeral=True, logdir=logdir,
+                extra={"suffix": ["--threads", "1"], "prefix": ["--threads", "1"],
+                       "dispatcher": ["--client-max-tokens", str(QUOTA)]})
+    c.start_all()
+    gw, base = _gateway(c.endpoint("dispatcher"), logdir, "api", "--max-body-bytes", "65536",
+                        "--max-messages", "8", "--max-prompt-tokens", "512")
+    dead, dead_base = _gateway(f"tcp://127.0.0.1:{free_port()}", logdir, "api-dead",
+                               "--connect-timeout-s", "0.5")
+    try:
+        c.wait_ready(timeout=240)
+        _wait_http(gw, base, logdir / "api.log")
+        _wait_http(dead, dead_base, logdir / "api-dead.log")
+        yield {"base": base, "dead": dead_base, "cluster": c}
+    finally:
+        for p in (gw, dead):
+            p.terminate()
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        c.stop_all()
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    with openai.OpenAI(base_url=stack["base"] + "/v1", api_key="unused", max_retries=0,
+                       timeout=120) as c:
+        yield c
+
+
+def greedy_text(tokenizer, reference, ids: list[int], n: int) -> tuple[str, int]:
+    """transformers' generate(do_sample=False) continuation (up to its end-of-sequence token),
+    decoded; and its token count, the end-of-sequence token included (as the dispatcher's)."""
+    out = reference(ids, n, eos=True)
+    return tokenizer.decode(out, skip_special_tokens=True), len(out)
+
+
+def chat_ids(tokenizer, messages) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                        return_dict=False)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+CONVERSATION = [
+    {"role": "system", "content": "You are a concise assistant."},
+    {"role": "user", "content": "Name a primary colour."},
+    {"role": "assistant", "content": "Red."},
+    {"role": "user", "content": "Name another one."},
+]
+
+
+# --- no cluster ---------------------------------------------------------------------------------
+
+def test_stop_scanner_holds_back_a_possible_start_and_cuts_at_the_first_stop():
+    s = StopScanner(["END", "xy"])
+    assert s.feed("abcE") == ("ab", False)      # "cE" could start "END"
+    assert s.feed("Nq") == ("cE", False)
+    assert s.feed("rsxyzEND") == ("Nqrs", True)   # the earliest stop wins; nothing after it
+    assert StopScanner([]).feed("abc") == ("abc", False)
+
+
+# --- the official client ------------------------------------------------------------------------
+
+def test_models_list(client):
+    ids = [m.id for m in client.models.list().data]
+    assert ids == [MODEL]
+
+
+def test_chat_multi_turn_greedy_equals_transformers(client, tokenizer, reference):
+    r = client.chat.completions.create(model=MODEL, messages=CONVERSATION, max_tokens=12,
+                                       temperature=0)
+    ids = chat_ids(tokenizer, CONVERSATION)
+    want, n = greedy_text(tokenizer, reference, ids, 12)
+    assert r.choices[0].message.content == want
+    assert r.choices[0].message.role == "assistant"
+    ended = reference(ids, 12, eos=True)[-1] == tokenizer.eos_token_id
+    assert r.choices[0].finish_reason == ("stop" if ended else "length")
+    assert r.usage.prompt_tokens == len(ids)
+    assert r.usage.completion_tokens == n
+    assert r.usage.total_tokens == len(ids) + n
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+
+
+def test_completions_stream_with_usage_equals_transformers(client, tokenizer, reference):
+    prompt = PROMPTS["plain"]
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=10,
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    ids = tokenizer.encode(prompt)
+    want, n = greedy_text(tokenizer, reference, ids, 10)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == want
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == n == 10
+    assert chunks[-1].usage.prompt_tokens == len(ids)
+
+
+def test_completions_token_id_prompt(client, tokenizer, reference):
+    ids = tokenizer.encode(PROMPTS["code"])
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0)
+    assert r.choices[0].text == greedy_text(tokenizer, reference, ids, 8)[0]
+
+
+def test_async_client_streams_and_concurrent_requests(stack, tokenizer, reference):
+    prompts = ["1, 2, 3,", "Monday, Tuesday,", "red, green,"]
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=stack["base"] + "/v1", api_key="unused",
+                                      max_retries=0, timeout=120) as c:
+            stream = await c.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": PROMPTS["chat"]}],
+                max_completion_tokens=8, temperature=0, stream=True)
+            deltas = [ch async for ch in stream]
+            many = await asyncio.gather(*(c.completions.create(
+                model=MODEL, prompt=p, max_tokens=6, temperature=0) for p in prompts))
+            return deltas, many
+
+    deltas, many = asyncio.run(main())
+    assert deltas[0].choices[0].delta.role == "assistant"
+    text = "".join(d.choices[0].delta.content or "" for d in deltas)
+    ids = chat_ids(tokenizer, [{"role": "user", "content": PROMPTS["chat"]}])
+    assert text == greedy_text(tokenizer, reference, ids, 8)[0]
+    assert deltas[-1].choices[0].finish_reason in ("length", "stop")
+    for p, r in zip(prompts, many):
+        assert r.choices[0].text == greedy_text(tokenizer, reference, tokenizer.encode(p), 6)[0]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string_cuts_and_cancels(client, stack, tokenizer, reference, stream):
+    prompt = PROMPTS["plain"]
+    full, _ = greedy_text(tokenizer, reference, tokenizer.encode(prompt), 16)
+    at = len(full) // 3
+    stop = full[at:at + 6]                      # spans token boundaries, mid-word
+    want = full[:full.index(stop)]
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=16, temperature=0,
+              stop=[stop, "\u2603never"])
+    if stream:
+        chunks = list(client.completions.create(**kw, stream=True))
+        text = "".join(c.choices[0].text for c in chunks)
+        finish = chunks[-1].choices[0].finish_reason
+    else:
+        r = client.completions.create(**kw)
+        text, finish = r.choices[0].text, r.choices[0].finish_reason
+        assert r.usage.completion_tokens < 16   # cancelled on the dispatcher, not run out
+    assert text == want and finish == "stop"
+
+
+@pytest.mark.parametrize("extra", [{"mode": "spec"}, {"mode": "spec", "policy": "vanilla"},
+                                   {"mode": "split", "cut": 6}])
+def test_spec_and_split_modes_through_extra_body(client, tokenizer, reference, extra):
+    r = client.chat.completions.create(model=MODEL, messages=CONVERSATION, max_tokens=10,
+                                       temperature=0, extra_body=extra)
+    want, _ = greedy_text(tokenizer, reference, chat_ids(tokenizer, CONVERSATION), 10)
+    assert r.choices[0].message.content == want
+    stats = r.model_extra["tandem"]
+    assert stats["mode"] == extra["mode"]
+    if "cut" in extra:
+        assert stats["cut"] == extra["cut"]
+
+
+def test_seeded_sampling_is_reproducible(client):
+    kw = dict(model=MODEL, prompt="My favourite animal is", max_tokens=8, temperature=0.9,
+              top_p=0.95, seed=7)
+    a = client.completions.create(**kw).choices[0].text
+    b = client.completions.create(**kw).choices[0].text
+    assert a == b
+
+
+def test_official_client_raises_typed_errors(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="gpt-4o", messages=CONVERSATION)
+    assert e.value.body["param"] == "model"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=CONVERSATION, n=2)
+    assert e.value.body["param"] == "n"
+
+
+# --- raw HTTP: errors ---------------------------------------------------------------------------
+
+LONG = " ".join(["word"] * 600)   # > --max-prompt-tokens 512
+
+ERRORS = [   # (route, body, status, param, code or None)
+    ("completions", {"model": "nope", "prompt": "a"}, 400, "model", "model_not_found"),
+    ("completions", {"prompt": "a"}, 400, "model", None),
+    ("completions", {"model": MODEL, "prompt": "a", "max_tokens": "4"}, 400, "max_tokens",
+     "invalid_type"),
+    ("completions", {"model": MODEL, "prompt": 5}, 400, "prompt", "invalid_type"),
+    ("chat", {"model": MODEL, "messages": "hi"}, 400, "messages", "invalid_type"),
+    ("completions", {"model": MODEL, "prompt": "a", "temperature": 2.5}, 400, "temperature",
+     None),
+    ("completions", {"model": MODEL, "prompt": "a", "max_tokens": 0}, 400, "max_tokens", None),
+    ("completions", {"model": MODEL, "prompt": "a", "top_p": 0}, 400, "top_p", None),  # SDK's
+    ("completions", {"model": MODEL, "prompt": "a", "n": 2}, 400, "n", None),
+    ("chat", {"model": MODEL, "messages": CONVERSATION, "logprobs": True}, 400, "logprobs",
+     "unsupported_parameter"),
+    ("chat", {"model": MODEL, "messages": CONVERSATION, "tools": [
+        {"type": "function", "function": {"name": "f"}}]}, 400, "tools", None),
+    ("completions", {"model": MODEL, "prompt": "a", "echo": True}, 400, "echo", None),
+    ("completions", {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt", None),
+    ("completions", {"model": MODEL, "prompt": "a", "stop": ["1", "2", "3", "4", "5"]}, 400,
+     "stop", None),
+    ("completions", {"model": MODEL, "prompt": "a", "stream_options": {"include_usage": True}},
+     400, "stream_options", None),
+    ("completions", {"model": MODEL, "prompt": "a", "mode": "warp"}, 400, "mode", None),
+    ("completions", {"model": MODEL, "prompt": "a", "mode": "split", "cut": 99}, 400, "cut",
+     None),   # the dispatcher's rule, its field
+    ("chat", {"model": MODEL, "messages": [{"role": "tool", "content": "x"}]}, 400,
+     "messages[0].role", None),
+    ("chat", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}] * 9}, 400,
+     "messages", "too_many_messages"),
+    ("completions", {"model": MODEL, "prompt": LONG}, 400, "prompt", "context_length_exceeded"),
+    ("chat", {"model": MODEL, "messages": [{"role": "user", "content": LONG}]}, 400, "messages",
+     "context_length_exceeded"),
+]
+
+
+def _post(base: str, route: str, **kw) -> httpx.Response:
+    path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
+    return httpx.post(base + path, timeout=60, **kw)
+
+
+def _error(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"].startswith("application/json")
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    return err
+
+
+@pytest.mark.parametrize("route,body,status,param,code", ERRORS,
+                         ids=[f"{e[3]}-{i}" for i, e in enumerate(ERRORS)])
+def test_errors_in_openai_shape(stack, route, body, status, param, code):
+    err = _error(_post(stack["base"], route, json=body), status)
+    assert err["param"] == param
+    assert err["type"] == "invalid_request_error"
+    if code:
+        assert err["code"] == code
+
+
+def test_malformed_json_oversized_body_and_unknown_route(stack):
+    base = stack["base"]
+    err = _error(_post(base, "chat", content=b'{"model": "tandem", "messages": [',
+                       headers={"content-type": "application/json"}), 400)
+    assert err["code"] == "invalid_json"
+    _error(_post(base, "completions", content=b"[1, 2]"), 400)
+    big = {"model": MODEL, "prompt": "x" * 70_000}                # > --max-body-bytes 65536
+    assert _error(_post(base, "completions", json=big), 413)["code"] == "request_too_large"
+    assert _error(httpx.get(base + "/v1/nothing"), 404)["code"] == "not_found"
+    assert _error(httpx.get(base + "/v1/completions"), 405)["code"] == "method_not_allowed"
+
+
+def test_deadline_is_504(stack):
+    err = _error(_post(stack["base"], "completions", json={
+        "model": MODEL, "prompt": PROMPTS["plain"], "max_tokens": 64, "deadline_s": 0.001}), 504)
+    assert err["code"] == "deadline"
+
+
+def test_no_dispatcher_is_503(stack):
+    for stream in (False, True):
+        err = _error(_post(stack["dead"], "completions", json={
+            "model": MODEL, "prompt": "a", "max_tokens": 4, "stream": stream}), 503)
+        assert err["code"] == "unavailable"
+
+
+# --- raw HTTP: SSE framing, disconnects, busy ---------------------------------------------------
+
+def test_sse_framing(stack):
+    body = {"model": MODEL, "messages": CONVERSATION, "max_tokens": 5, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", stack["base"] + "/v1/chat/completions", json=body,
+                      timeout=60) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read().decode()
+    assert raw.endswith("data: [DONE]\n\n")
+    events = raw.split("\n\n")[:-1]
+    assert all(e.startswith("data: ") and "\n" not in e for e in events)
+    objs = [json.loads(e[6:]) for e in events[:-1]]
+    assert len({o["id"] for o in objs}) == 1
+    assert all(o["object"] == "chat.completion.chunk" and o["model"] == MODEL for o in objs)
+    assert objs[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(o["usage"] is None for o in objs[:-1])
+    assert objs[-2]["choices"][0]["finish_reason"] in ("length", "stop")
+    assert objs[-2]["choices"][0]["delta"] == {}
+    assert objs[-1]["choices"] == [] and objs[-1]["usage"]["completion_tokens"] <= 5
+
+
+def _dispatcher_sessions(stack) -> float:
+    text = httpx.get(stack["cluster"].procs["dispatcher"].url("/metrics"), timeout=5).text
+    return sum(s.value for f in text_string_to_metric_families(text)
+               if f.name == "tandem_active_sessions" for s in f.samples
+               if s.labels.get("service") == "dispatcher")
+
+
+def test_disconnect_mid_stream_cancels_and_busy_is_429(stack):
+    base = stack["base"]
+    body = {"model": MODEL, "prompt": PROMPTS["plain"], "max_tokens": QUOTA - 100,
+            "temperature": 0, "stream": True, "ignore_eos": True}
+    with httpx.Client(timeout=60) as h:
+        with h.stream("POST", base + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            while not next(lines).startswith("data: "):
+                pass
+            assert _dispatcher_sessions(stack) == 1
+            # the per-client token quota is held by the stream: the next request is busy
+            busy = _post(base, "completions", json={"model": MODEL, "prompt": "a",
+                                                    "max_tokens": 200})
+            err = _error(busy, 429)
+            assert err["type"] == "rate_limit_error" and busy.headers["retry-after"] == "1"
+        # the response closed mid-stream: the gateway sees the disconnect and cancels
+    end = time.monotonic() + 15
+    while _dispatcher_sessions(stack) != 0:
+        assert time.monotonic() < end, "the dispatcher still holds the abandoned request"
+        time.sleep(0.1)
+    # and the quota is free again
+    r = _post(base, "completions", json={"model": MODEL, "prompt": "a", "max_tokens": 2,
+                                         "temperature": 0})
+    assert r.status_code == 200, r.text
+
+
+def test_metrics(stack, client):
+    client.models.list()
+    text = httpx.get(stack["base"] + "/metrics", timeout=5).text
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    reqs = {(s.labels["route"], s.labels["status"]): s.value
+            for s in fams["tandem_api_requests"].samples if s.name.endswith("_total")}
+    assert reqs[("/v1/models", "200")] >= 1
+    assert reqs[("/v1/chat/completions", "200")] >= 1
+    assert reqs.get(("/v1/completions", "400"), 0) >= 1
+    assert any(s.value > 0 for s in fams["tandem_api_time_to_first_token_seconds"].samples
+               if s.name.endswith("_count"))
+    assert any(s.value > 0 for s in fams["tandem_api_time_per_token_seconds"].samples
+               if s.name.endswith("_count"))
