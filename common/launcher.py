@@ -22,10 +22,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from common import resources
+from api.config import DEFAULT_PORT as API_PORT
 from common.config import DEFAULT_PORTS
 from common.models import repo_root
 
 SERVICES = ("verifier", "drafter", "prefix", "suffix", "dispatcher")
+# The OpenAI-compatible HTTP gateway (api/, `tandem serve api`): `tandem up` starts it after the
+# dispatcher; it has no ZMQ endpoint (its `endpoint` is its HTTP base URL, its `http_port` the
+# same port) and a light share, like the dispatcher's: one thread on the dispatcher's cores.
+GATEWAY = "api"
 PEER_FIELDS = {"verifier": "verifier", "drafter": "drafter", "prefix": "prefix", "suffix": "suffix"}
 
 
@@ -102,6 +107,12 @@ class Cluster:
         self.procs: dict[str, ServiceProc] = {}
         self._popen: dict[str, subprocess.Popen] = {}
         for name in services:
+            if name == GATEWAY:
+                port = free_port() if ephemeral else API_PORT
+                self.procs[name] = ServiceProc(name, f"http://127.0.0.1:{port}", port,
+                                               log=str(self.logdir / f"{name}.log"),
+                                               cpus=self.pin.get(name, []))
+                continue
             zmq_port, http_port = DEFAULT_PORTS[name]
             if ephemeral:
                 zmq_port, http_port = free_port(), free_port()
@@ -114,6 +125,12 @@ class Cluster:
 
     def argv(self, name: str) -> list[str]:
         p = self.procs[name]
+        if name == GATEWAY:
+            args = [sys.executable, "-m", "api.service", "--host", "127.0.0.1",
+                    "--port", str(p.http_port)]
+            if "dispatcher" in self.procs:
+                args += ["--dispatcher", self.procs["dispatcher"].endpoint]
+            return args + [str(a) for a in self.extra.get(name, [])]
         args = [sys.executable, "-m", f"services.{name}.service", "--bind", p.endpoint,
                 "--http-port", str(p.http_port)]
         if name == "dispatcher":
@@ -214,7 +231,14 @@ def planned(services=SERVICES, ephemeral: bool = False, extra: dict | None = Non
     TANDEM_<SERVICE>_CPUS, or flags in `extra`) taken as overrides."""
     extra = {k: [str(a) for a in v] for k, v in (extra or {}).items()}
     merged = {**os.environ, **{k: v for k, v in (env or {}).items() if v is not None}}
-    cores, shares = resources.plan_services(list(services), argv=extra, env=merged, cpus=cpus)
+    wire = [s for s in services if s != GATEWAY]
+    cores, shares = resources.plan_services(wire, argv=extra, env=merged, cpus=cpus)
+    if GATEWAY in services:   # light, like the dispatcher: one thread on its cores (the edge's)
+        base = shares.get("dispatcher")
+        shares = {**shares, GATEWAY: resources.Share(
+            threads=1, cpus=tuple(base.cpus) if base else tuple(cores),
+            env=dict(base.env) if base else {}, shared=True,
+            note="OpenAI-compatible HTTP gateway: one asyncio thread, beside the dispatcher")}
     cluster = Cluster(services, ephemeral=ephemeral, env=env, logdir=logdir,
                       pin={n: list(s.cpus) for n, s in shares.items()},
                       service_env={n: s.env for n, s in shares.items()},

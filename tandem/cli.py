@@ -3,7 +3,8 @@
     tandem up [--detach]        start all services locally on the bundled model, stream a demo
     tandem down                 stop what `up --detach` started
     tandem status [--json]      each service: name, endpoint, pid, health
-    tandem serve SERVICE ...    run one service in the foreground (what compose runs)
+    tandem serve SERVICE ...    run one service in the foreground (what compose runs);
+                                `tandem serve api`: the OpenAI-compatible HTTP gateway
     tandem generate PROMPT ...  one request through the SDK [--json]
     tandem models prepare|show  make the bundled target and drafter (once, cached) [--json]
     tandem link ...             the WAN emulator (common/wan_cli.py)
@@ -27,9 +28,12 @@ DEMO_PROMPT = "Explain in two sentences why speculative decoding is lossless."
 
 
 def _available_services() -> list[str]:
-    from common.launcher import SERVICES  # noqa: PLC0415
+    from common.launcher import GATEWAY, SERVICES  # noqa: PLC0415
     root = Path(__file__).resolve().parent.parent
-    return [s for s in SERVICES if (root / "services" / s / "service.py").is_file()]
+    found = [s for s in SERVICES if (root / "services" / s / "service.py").is_file()]
+    if "dispatcher" in found and (root / "api" / "service.py").is_file():
+        found.append(GATEWAY)   # the OpenAI-compatible gateway, in front of the dispatcher
+    return found
 
 
 def cmd_models(args) -> int:
@@ -83,7 +87,7 @@ def cmd_up(args) -> int:
                      "check TANDEM_<SERVICE>_CPUS / TANDEM_<SERVICE>_THREADS")
     busy = [f"{p.name} {where}" for p in cluster.procs.values()
             for where, host, port in (
-                (p.endpoint, *p.endpoint.removeprefix("tcp://").rsplit(":", 1)),
+                (p.endpoint, *p.endpoint.split("://", 1)[-1].rsplit(":", 1)),
                 (f"http://127.0.0.1:{p.http_port}", "127.0.0.1", p.http_port))
             if _port_taken(host, int(port))]
     if busy:
@@ -111,6 +115,9 @@ def cmd_up(args) -> int:
         print(f"all services ready in {time.monotonic() - t:.1f} s", flush=True)
         for p in cluster.procs.values():
             print(f"  {p.name:10s} {p.endpoint:24s} pid {p.pid:<7d} http://127.0.0.1:{p.http_port}/metrics")
+        if "api" in cluster.procs:
+            print(f"  OpenAI-compatible API: {cluster.endpoint('api')}/v1 (docs/api.md)",
+                  flush=True)
         _demo(cluster.endpoint("dispatcher"), args.mode)
         if args.detach:
             detached = True
@@ -236,8 +243,11 @@ def cmd_status(args) -> int:
 
 
 def cmd_serve(args, rest) -> int:
+    if args.service == "api":   # the HTTP gateway: no model, one asyncio thread, no plan to take
+        importlib.import_module("api.service").main(rest)
+        return 0
     if args.service not in SERVICE_NAMES:
-        print(f"unknown service {args.service!r}; one of {', '.join(SERVICE_NAMES)}",
+        print(f"unknown service {args.service!r}; one of {', '.join(SERVICE_NAMES)}, api",
               file=sys.stderr)
         return 2
     if not any(a in ("-h", "--help") for a in rest):

@@ -498,10 +498,11 @@ def compose_config(profiles: tuple[str, ...] = (), files: tuple[Path, ...] = (CO
 
 PROFILE_SETS = {
     "default": ((), {"models"}),
-    "edge": (("edge",), {"models"} | EDGE | MONITORING),
+    "edge": (("edge",), {"models", "api"} | EDGE | MONITORING),
     "cloud": (("cloud",), {"models"} | CLOUD | MONITORING),
-    "edge+cloud": (("edge", "cloud"), {"models"} | EDGE | CLOUD | MONITORING),
-    "edge+cloud+wan": (("edge", "cloud", "wan"), {"models", "wan"} | EDGE | CLOUD | MONITORING),
+    "edge+cloud": (("edge", "cloud"), {"models", "api"} | EDGE | CLOUD | MONITORING),
+    "edge+cloud+wan": (("edge", "cloud", "wan"), {"models", "api", "wan"} | EDGE | CLOUD |
+                       MONITORING),
     "monitoring": (("monitoring",), {"models"} | MONITORING),
 }
 
@@ -556,6 +557,17 @@ def test_compose_config_profiles(name):
         for dep in ("verifier", "suffix"):
             assert d["depends_on"][dep]["required"] is False, (
                 "the edge half must start on a host without the cloud half")
+    if "api" in services:   # the OpenAI-compatible gateway, in front of the edge's dispatcher
+        a = services["api"]
+        assert a["command"] == ["serve", "api"]
+        env = a["environment"]
+        assert env["TANDEM_API_DISPATCHER"] == "tcp://dispatcher:5550"
+        assert env["TANDEM_API_HOST"] == "0.0.0.0"
+        assert env["TANDEM_API_PORT"] == "8000" == _readyz_port(a)
+        assert {(p["host_ip"], p["target"]) for p in a["ports"]} == {("127.0.0.1", 8000)}
+        assert a["depends_on"]["dispatcher"]["condition"] == "service_healthy"
+        assert any(v["target"] == "/models" and v.get("read_only") for v in a["volumes"])
+        assert set(a["networks"]) == {"edge"} and a["image"] == models["image"]
     if "wan" in services:
         cmd = services["wan"]["command"]
         assert cmd[0] == "link" and cmd[cmd.index("--target") + 1] == "verifier:5551"
