@@ -536,17 +536,33 @@ def create_app(cfg: ApiConfig | None = None) -> Starlette:
             run = Run(route, ids, params)
             if params.stream:
                 return await stream(run, chat)
-            return await whole(run, chat)
+            return await whole(run, chat, request)
         except ApiError as e:
             return e.response()
 
-    async def whole(run: Run, chat: bool) -> Response:
+    async def whole(run: Run, chat: bool, request: Request) -> Response:
+        async def collect() -> str:
+            return "".join([p async for p in gw.pieces(run)])
+
+        async def disconnected() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
         metrics.ACTIVE.labels(run.route).inc()
+        # a client that goes away before the answer cancels the request on the dispatcher
+        gen = asyncio.ensure_future(collect())
+        watch = asyncio.ensure_future(disconnected())
         try:
-            text = "".join([p async for p in gw.pieces(run)])
+            await asyncio.wait((gen, watch), return_when=asyncio.FIRST_COMPLETED)
+            if not gen.done():
+                gen.cancel()
+                await asyncio.gather(gen, return_exceptions=True)
+                return Response(status_code=499)   # nobody is listening
+            text = gen.result()
         except TandemError as e:
             raise from_tandem(e, cfg.retry_after_s) from None
         finally:
+            watch.cancel()
             metrics.ACTIVE.labels(run.route).dec()
         run.done()
         if chat:

@@ -383,6 +383,17 @@ def test_disconnect_mid_stream_cancels_and_busy_is_429(stack):
     assert r.status_code == 200, r.text
 
 
+def test_disconnect_before_a_whole_answer_cancels(stack):
+    body = {"model": MODEL, "prompt": PROMPTS["plain"], "max_tokens": QUOTA - 100,
+            "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):   # the client gives up and closes the connection
+        httpx.post(stack["base"] + "/v1/completions", json=body, timeout=1.0)
+    end = time.monotonic() + 15
+    while _dispatcher_sessions(stack) != 0:
+        assert time.monotonic() < end, "the dispatcher still holds the abandoned request"
+        time.sleep(0.1)
+
+
 def test_metrics(stack, client):
     client.models.list()
     text = httpx.get(stack["base"] + "/metrics", timeout=5).text
