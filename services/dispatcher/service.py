@@ -170,7 +170,8 @@ class Dispatcher(Service):
             ids = list(msg.token_ids)
             bad = [t for t in ids if not 0 <= t < len(self.tokenizer)]
             if bad:
-                raise ProtocolError(protocol.BAD_FIELD, f"token ids outside the vocabulary: {bad[:5]}")
+                raise ProtocolError(protocol.BAD_FIELD, f"token ids outside the vocabulary: {bad[:5]}",
+                                    field="token_ids")
         elif msg.chat:
             ids = self.tokenizer.apply_chat_template(
                 [{"role": "user", "content": msg.prompt}], add_generation_prompt=True,
@@ -179,7 +180,7 @@ class Dispatcher(Service):
         else:
             ids = self.tokenizer.encode(msg.prompt)
         if not ids:
-            raise ProtocolError(protocol.BAD_FIELD, "empty prompt")
+            raise ProtocolError(protocol.BAD_FIELD, "empty prompt", field="prompt")
         if len(ids) > self.limits.max_prompt_tokens:
             raise ProtocolError(protocol.TOO_LARGE, f"prompt of {len(ids)} tokens is over "
                                 f"max_prompt_tokens = {self.limits.max_prompt_tokens} (raise it on "
@@ -194,12 +195,14 @@ class Dispatcher(Service):
             return  # a retry of a request already running: its stream continues
         mode = msg.mode or self.cfg.default_mode
         if mode not in MODES:
-            raise ProtocolError(protocol.BAD_FIELD, f"unknown mode {mode!r}; one of {sorted(MODES)}")
+            raise ProtocolError(protocol.BAD_FIELD, f"unknown mode {mode!r}; one of {sorted(MODES)}",
+                                field="mode")
         if mode not in self.modes:
             raise ProtocolError(protocol.UNAVAILABLE, f"mode {mode!r} is not available here")
         if not 1 <= msg.max_tokens <= self.cfg.max_new_tokens:
             raise ProtocolError(protocol.BAD_FIELD,
-                                f"max_tokens must be in [1, {self.cfg.max_new_tokens}]")
+                                f"max_tokens must be in [1, {self.cfg.max_new_tokens}]",
+                                field="max_tokens")
         s = msg.sampling
         protocol.check_sampling(s, len(self.tokenizer))
         validate = getattr(self.modes[mode], "validate", None)   # the mode's own fields (cut,

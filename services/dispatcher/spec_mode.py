@@ -128,10 +128,12 @@ def check_policy(name: str, sampling_params):
     policy = POLICIES.get(name)
     if policy is None:
         raise ProtocolError(protocol.BAD_FIELD,
-                            f"unknown spec policy {name!r}; one of {sorted(POLICIES)}")
+                            f"unknown spec policy {name!r}; one of {sorted(POLICIES)}",
+                            field="policy")
     if policy.name == "oracle" and not sampling.is_greedy(sampling_params):
         raise ProtocolError(protocol.BAD_FIELD, "the oracle policy needs greedy decoding "
-                                                "(its trigger knows the target's greedy output)")
+                                                "(its trigger knows the target's greedy output)",
+                            field="sampling.temperature")
     return policy
 
 

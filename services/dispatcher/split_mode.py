@@ -34,7 +34,8 @@ def check_cut(target: str, cut: int) -> int:
     L = num_layers(target)
     if not 1 <= cut <= L - 1:
         raise ProtocolError(protocol.BAD_FIELD, f"cut {cut} outside [1, {L - 1}]: the edge runs "
-                                                f"layers [0, cut) of the {L}-layer model")
+                                                f"layers [0, cut) of the {L}-layer model",
+                            field="cut")
     return cut
 
 
