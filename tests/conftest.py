@@ -101,3 +101,14 @@ def assert_same_tokens(hf_model):
         assert len(got) == len(want), f"{label}: {len(got)} tokens vs reference {len(want)}"
     check.ties = ties
     return check
+
+
+def readyz(http_port: int) -> tuple[int, str]:
+    """(status, body) of a service's /readyz: 200 "ready", or 503 with why it is not."""
+    import urllib.error
+    import urllib.request
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/readyz", timeout=5) as r:
+            return r.status, r.read().decode().strip()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode().strip()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import urllib.request
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ import zmq.asyncio
 from common import protocol as p
 from common.launcher import free_port
 from common.runtime import Peer, PeerError
+from tests.conftest import readyz
 
 FAULT = RuntimeError("injected fault: probability tensor contains either inf, nan or element < 0")
 
@@ -30,11 +30,7 @@ def _cfg(config_cls, model_paths, **kw):
 
 
 def _readyz(svc) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{svc.http_port}/readyz", timeout=5) as r:
-            return r.status, r.read().decode().strip()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode().strip()
+    return readyz(svc.http_port)
 
 
 async def _serving(svc, body):

@@ -17,6 +17,7 @@ from common import protocol as p
 from common.config import ServiceConfig, load
 from common.launcher import free_port
 from common.runtime import Peer, PeerError, Service
+from tests.conftest import readyz
 
 
 class Echo(Service):
@@ -269,11 +270,7 @@ class Looping(Service):
 
 
 def _readyz(svc) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{svc.http_port}/readyz", timeout=5) as r:
-            return r.status, r.read().decode().strip()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode().strip()
+    return readyz(svc.http_port)
 
 
 def test_a_loop_that_dies_makes_the_service_unready_and_stop():

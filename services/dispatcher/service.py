@@ -17,7 +17,7 @@ import time
 import uuid
 
 from common import metrics, protocol, security
-from common.protocol import Msg, ProtocolError
+from common.protocol import ProtocolError
 from common.runtime import PeerError, Service
 from services.dispatcher import recovery
 from services.dispatcher.config import DispatcherConfig
