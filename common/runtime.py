@@ -137,11 +137,17 @@ class Service:
         await self.send(ident, protocol.error_reply(req, code, message, field))
 
     async def fail_session(self, ident: bytes, req: Msg, what: str, exc: BaseException) -> None:
-        """One session hit a bug (`what`: its forward, its sampling, ...): the traceback goes to
-        the log, the session's peer gets `internal` naming the session (never the exception's
-        internals), and the caller drops the session; everything else goes on."""
+        """One session hit a bug (`what`: its forward, its sampling, ...): the session ends
+        (`drop_session`: its state may be half-updated), the traceback goes to the log, and the
+        session's peer gets `internal` naming the session (never the exception's internals);
+        everything else goes on."""
         self.log.error("session %r: %s failed; session ended:\n%s", req.sid, what,
                        "".join(traceback.format_exception(exc)))
+        if req.sid:
+            try:
+                await self.drop_session(req.sid)
+            except Exception:  # noqa: BLE001 - the peer must still hear that the session ended
+                self.log.exception("dropping session %r failed", req.sid)
         whose = f"session {req.sid!r}" if req.sid else "a request without a session"
         await self.error(ident, req, protocol.INTERNAL,
                          f"{self.name}: internal error in the {what} of {whose}; the session "
@@ -271,9 +277,6 @@ class Service:
             await self.error(ident, msg, e.code, e.message, e.field)
         except Exception as e:  # noqa: BLE001 - a bug must not take the service down
             await self.fail_session(ident, msg, f"{msg.__struct_config__.tag!r} handler", e)
-            if msg.sid:   # its state may be half-updated: the session ends here
-                with contextlib.suppress(Exception):
-                    await self.drop_session(msg.sid)
 
     async def _recv_loop(self) -> None:
         assert self.sock is not None

@@ -204,10 +204,6 @@ class Drafter(Service):
             try:
                 await self._step(s)
             except Exception as e:  # noqa: BLE001 - one session's bug must not stop all drafting
-                if self.sessions.pop(s.sid, None) is not None:
-                    self.order.remove(s.sid)
-                    self._free(s)
-                metrics.SESSIONS.labels(self.name).set(len(self.sessions))
                 await self.fail_session(s.ident, protocol.DraftRequest(sid=s.sid, seq=s.epoch,
                                                                        rid=s.rid), "drafting", e)
 

@@ -174,7 +174,9 @@ class Prefix(Service):
         metrics.SESSIONS.labels(self.name).set(len(self.sessions))
 
     # --- the step loop --------------------------------------------------------------------------
-    def step(self, batch: list[Work]) -> list[torch.Tensor]:
+    def step(self, batch: list[Work]) -> list[tuple[torch.Tensor, float]]:
+        """The batch's hidden states, each with the batch's compute time (on the compute thread)."""
+        t = time.perf_counter()
         try:
             hs = run_prefixes(self.runner, [(w.session.kv, w.x, w.session.cut) for w in batch])
         except BaseException:
@@ -183,7 +185,9 @@ class Prefix(Service):
             for w in batch:
                 w.session.kv.truncate(w.start)
             raise
-        return [h.to(self.wire) for h in hs]
+        hs = [h.to(self.wire) for h in hs]
+        dt = time.perf_counter() - t
+        return [(h, dt) for h in hs]
 
     async def loop(self) -> None:
         """One batched forward per step over the queued work. A failure ends only the session
@@ -199,27 +203,25 @@ class Prefix(Service):
             del self.queue[:n]
             if not batch:
                 continue
-            t = time.perf_counter()
-            hs = await self.compute_each(self.step, batch)
-            dt = time.perf_counter() - t
+            outs = await self.compute_each(self.step, batch)
+            ok = [o for o in outs if not isinstance(o, Exception)]
+            dt = ok[0][1] if ok else 0.0
             phases = {"prefill" if w.x.shape[0] > 1 else "decode" for w in batch}
             phase = phases.pop() if len(phases) == 1 else "mixed"
             metrics.FORWARD.labels(self.name, phase).observe(dt)
             metrics.FORWARD_TOKENS.labels(self.name, phase).observe(sum(w.x.shape[0] for w in batch))
-            for w, h in zip(batch, hs):
+            for w, out in zip(batch, outs):
                 s = w.session
-                if isinstance(h, Exception):
-                    self.sessions.pop(s.sid, None)
-                    s.closed = True
-                    await self.fail_session(w.ident, w.msg, "forward", h)
+                if isinstance(out, Exception):
+                    await self.fail_session(w.ident, w.msg, "forward", out)
                     continue
+                h, dt = out
                 ref, buf = protocol.tensor_frame(h, 0)
                 reply = protocol.Hidden(sid=s.sid, seq=w.msg.seq, rid=w.msg.rid, cut=s.cut,
                                         start=w.start, hidden=ref, seconds=dt)
                 s.reply, s.busy = (reply, [buf]), False
                 if not s.closed:
                     await self.send(w.ident, reply, [buf])
-            metrics.SESSIONS.labels(self.name).set(len(self.sessions))
             metrics.KV_BYTES.labels(self.name).set(sum(s.kv.nbytes() for s in self.sessions.values()))
             await asyncio.sleep(0)
 

@@ -267,9 +267,6 @@ class Suffix(Service):
             for p, out in zip(window, outs):
                 s = p.session
                 if isinstance(out, Exception):
-                    self.sessions.pop(s.sid, None)
-                    s.closed = True
-                    self.rr.drop(s.sid)
                     await self.fail_session(p.ident, p.msg, "forward and sampling", out)
                     continue
                 _, token, dt = out
@@ -281,7 +278,6 @@ class Suffix(Service):
                 s.reply, s.busy = reply, False
                 if not s.closed:
                     await self.send(p.ident, reply)
-            metrics.SESSIONS.labels(self.name).set(len(self.sessions))
             metrics.KV_BYTES.labels(self.name).set(sum(s.kv.nbytes() for s in self.sessions.values()))
 
 

@@ -216,7 +216,6 @@ class Verifier(Service):
 
     async def end_session(self, s: EngineSession, what: str, exc: BaseException) -> None:
         """A bug while serving `s`: it alone ends, with `internal`; the loop goes on."""
-        self.drop(s.sid)
         await self.fail_session(s.ident, protocol.Close(sid=s.sid, seq=s.seq, rid=s.rid), what,
                                 exc)
 
