@@ -5,15 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.config import default_endpoint
-
-DEFAULT_PORT = 8000
+from common.config import API_PORT, default_endpoint
 
 
 @dataclass
 class ApiConfig:
     host: str = "127.0.0.1"                       # HTTP address to listen on; loopback unless configured
-    port: int = DEFAULT_PORT                      # HTTP port (the API, /metrics, /healthz, /readyz); 0 = ephemeral
+    port: int = API_PORT                          # HTTP port (the API, /metrics, /healthz, /readyz); 0 = ephemeral
     dispatcher: str = default_endpoint("dispatcher")  # the dispatcher's ZMQ endpoint
     target: str = "bundled"                       # HF dir of the served model: its tokenizer and chat template
     model: str = "tandem"                         # the model id /v1/models lists; requests must name it (or the target's directory name)

@@ -59,6 +59,7 @@ DEFAULT_PORTS = {
     "prefix": (5553, 9553),
     "suffix": (5554, 9554),
 }
+API_PORT = 8000   # the OpenAI-compatible HTTP gateway (api/): HTTP only, no ZMQ endpoint
 
 
 def default_endpoint(service: str, host: str = "127.0.0.1") -> str:

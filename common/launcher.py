@@ -22,8 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from common import resources
-from api.config import DEFAULT_PORT as API_PORT
-from common.config import DEFAULT_PORTS
+from common.config import API_PORT, DEFAULT_PORTS
 from common.models import repo_root
 
 SERVICES = ("verifier", "drafter", "prefix", "suffix", "dispatcher")
