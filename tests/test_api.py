@@ -407,3 +407,20 @@ def test_metrics(stack, client):
                if s.name.endswith("_count"))
     assert any(s.value > 0 for s in fams["tandem_api_time_per_token_seconds"].samples
                if s.name.endswith("_count"))
+
+
+@pytest.mark.parametrize("field, raw", [("temperature", b"NaN"), ("temperature", b"Infinity"),
+                                        ("top_p", b"-Infinity"), ("deadline_s", b"NaN"),
+                                        ("max_tokens", b"-3"), ("seed", b"1e400")])
+def test_poisoned_numbers_are_refused_naming_them_and_the_gateway_serves_on(
+        stack, client, tokenizer, reference, field, raw):
+    """JSON as Python's encoder writes it accepts NaN and ±Infinity: each is a 400 naming the
+    field, and the next request is served exactly."""
+    body = b'{"model": "%s", "prompt": "a", "max_tokens": 2, "%s": %s}' % (
+        MODEL.encode(), field.encode(), raw)
+    err = _error(_post(stack["base"], "completions", content=body,
+                       headers={"content-type": "application/json"}), 400)
+    assert err["param"] == field, err
+    ids = tokenizer.encode(PROMPTS["code"])
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0)
+    assert r.choices[0].text == greedy_text(tokenizer, reference, ids, 4)[0]
