@@ -27,7 +27,8 @@ Anything else (`busy`, `too_large`, `bad_field`, `internal`, ...) is the request
 to the client. A request gives up after `max_recoveries` replays, or when its deadline passes: a
 replay waits for a replica until the deadline (`recovery_wait_s`, if set, caps the wait), so a
 partition that heals in time is survived with identical output and one that does not ends with
-`deadline`, never a hang.
+`deadline`, never a hang. These decisions, the backoff between replays and the temporary ban of
+a replica that keeps failing are pure functions in services/dispatcher/recovery_policy.py.
 
 Replicas: a comma-separated endpoint list (`--verifier tcp://a:5551,tcp://b:5551`) makes one
 Peer per replica ("verifier", "verifier-1", ...). A session sticks to its replica while it is up;
@@ -46,13 +47,13 @@ A mode runs each attempt through `with_recovery` (cloud_only.py is the example):
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 
 from common import metrics, protocol
 from common.runtime import Peer, PeerError
-
-RECOVERABLE = {protocol.UNAVAILABLE: "down", protocol.UNKNOWN_SESSION: "restarted",
-               protocol.UNKNOWN_ROUND: "gap"}
+from services.dispatcher.recovery_policy import (GiveUp, PassThrough, RecoveryPolicy,
+                                                 ReplicaHealth, decide)
 
 
 class Lost(PeerError):
@@ -65,19 +66,28 @@ class Lost(PeerError):
 
 class Replicas(list):
     """The Peers of one role's replicas. New sessions take turns over the replicas that are up
-    (spreading load); a session then stays on its replica while that is up."""
+    and not banned (spreading load); a session then stays on its replica while that is up."""
 
-    def __init__(self, peers: list[Peer]):
+    def __init__(self, peers: list[Peer], health: ReplicaHealth | None = None):
         super().__init__(peers)
         self.turn = 0
+        self.health = health or ReplicaHealth(RecoveryPolicy())
 
     def next_up(self) -> Peer | None:
+        eligible = set(self.health.eligible([p.name for p in self if p.up], time.monotonic()))
         for _ in range(len(self)):
             peer = self[self.turn % len(self)]
             self.turn += 1
-            if peer.up:
+            if peer.name in eligible:
                 return peer
         return None
+
+
+def recovery_policy(cfg) -> RecoveryPolicy:
+    return RecoveryPolicy(max_recoveries=cfg.max_recoveries, backoff_s=cfg.recovery_backoff_s,
+                          backoff_max_s=cfg.recovery_backoff_max_s,
+                          ban_failures=cfg.replica_ban_failures,
+                          ban_window_s=cfg.replica_ban_window_s, ban_s=cfg.replica_ban_s)
 
 
 def replicas(service, role: str, endpoints: str) -> Replicas:
@@ -86,7 +96,7 @@ def replicas(service, role: str, endpoints: str) -> Replicas:
     if not eps:
         raise ValueError(f"{role}: no endpoint configured")
     return Replicas([service.peer(role if i == 0 else f"{role}-{i}", ep)
-                     for i, ep in enumerate(eps)])
+                     for i, ep in enumerate(eps)], ReplicaHealth(recovery_policy(service.cfg)))
 
 
 async def first_up(peers: list[Peer], timeout: float) -> Peer | None:
@@ -117,6 +127,7 @@ class Recovery:
         self.peer: Peer | None = None   # the replica the session is on
         self.attempt = 0                # replays so far
         self.failed_at = 0.0            # when the failure being recovered from was detected
+        self.delay = 0.0                # backoff before the next replay connects
         self.times: list[float] = []    # failure detected -> first token after the replay
         self.reasons: list[str] = []
 
@@ -136,9 +147,14 @@ class Recovery:
         retries until its deadline (`recovery_wait_s` caps that when set), so a partition that
         heals in time costs only the wait, and one that does not ends in `deadline`."""
         d = self.req.d
+        if self.delay:
+            await asyncio.sleep(min(self.delay, self.req.remaining()))
+            self.delay = 0.0
         for p in self.needs:
             await d.need(p, self.req)
-        if self.peer is not None and self.peer.up:
+        health = getattr(self.peers, "health", None)
+        if self.peer is not None and self.peer.up and \
+                (health is None or not health.banned(self.peer.name, time.monotonic())):
             return self.peer
         left = self.req.remaining()
         limit = d.cfg.peer_wait_s if self.attempt == 0 else (d.cfg.recovery_wait_s or left)
@@ -174,25 +190,33 @@ class Recovery:
                           f"{got - expected} lost in transit")
 
     def fail(self, err: PeerError) -> None:
-        """Record a failure and allow a replay, or re-raise `err` when recovery cannot help."""
+        """Record a failure and allow a replay, or raise the request's error (recovery_policy)."""
         req = self.req
-        reason = err.reason if isinstance(err, Lost) else RECOVERABLE.get(err.code)
-        if reason is None or req.done or req.cancelled.is_set():
+        health = getattr(self.peers, "health", None)
+        policy = health.policy if health is not None else recovery_policy(req.d.cfg)
+        decision = decide(policy, code=err.code, message=err.message,
+                          reason=err.reason if isinstance(err, Lost) else None,
+                          replays=self.attempt, time_left=req.remaining(),
+                          finished=req.done or req.cancelled.is_set(), tokens=len(req.tokens),
+                          rand=random.random())
+        if isinstance(decision, PassThrough):
             raise err
-        if req.remaining() <= 0:
-            # no time left to replay in: the request ran out of time, whatever interrupted it
-            raise PeerError(protocol.DEADLINE, f"deadline passed after {len(req.tokens)} tokens "
-                                               f"({err.message})")
-        if self.attempt >= req.d.cfg.max_recoveries:
-            raise PeerError(err.code, f"{err.message} (gave up after {self.attempt} replays)")
-        req.d.log.warning("%s: %s on %s (%s); replaying %d committed tokens", req.sid, reason,
-                          self.peer.name if self.peer else self.role, err.message,
-                          len(self.committed()))
-        metrics.RECOVERIES.labels(req.d.name, req.mode, reason).inc()
+        if isinstance(decision, GiveUp):
+            raise PeerError(decision.code, decision.message)
+        now = time.monotonic()
+        if self.peer is not None and health is not None and health.failed(self.peer.name, now):
+            req.d.log.warning("%s %s failed %d sessions within %.0f s: no new sessions for %.0f s",
+                              self.role, self.peer.name, policy.ban_failures,
+                              policy.ban_window_s, policy.ban_s)
+        req.d.log.warning("%s: %s on %s (%s); replaying %d committed tokens", req.sid,
+                          decision.reason, self.peer.name if self.peer else self.role,
+                          err.message, len(self.committed()))
+        metrics.RECOVERIES.labels(req.d.name, req.mode, decision.reason).inc()
         self.attempt += 1
-        self.reasons.append(reason)
+        self.reasons.append(decision.reason)
+        self.delay = decision.delay_s
         if not self.failed_at:
-            self.failed_at = time.monotonic()
+            self.failed_at = now
 
     def progress(self) -> None:
         """Call after tokens reach the client: closes the recovery in progress, if any."""
