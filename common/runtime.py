@@ -171,11 +171,13 @@ class Service:
 
     name = "service"
 
-    def __init__(self, cfg: ServiceConfig):
+    def __init__(self, cfg: ServiceConfig, ctx: zmq.asyncio.Context | None = None):
         self.cfg = cfg
         self.limits = cfg.limits()
         self.log = logging.getLogger(f"tandem.{self.name}")
-        self.ctx = zmq.asyncio.Context()
+        # a shared context lets services in one process talk over inproc:// (tandem/inprocess.py)
+        self.ctx = ctx or zmq.asyncio.Context()
+        self._own_ctx = ctx is None
         self.sock: zmq.asyncio.Socket | None = None
         self.ready = False
         self.stopping: asyncio.Event | None = None  # created on the loop in serve()
@@ -506,7 +508,8 @@ class Service:
             self.sock.close(linger=LINGER_MS)
             if self.auth is not None:
                 self.auth.stop()
-            self.ctx.term()
+            if self._own_ctx:
+                self.ctx.term()
 
     def _unbind(self) -> None:
         """Start-up failed before serving: release the socket (and the CURVE authenticator)."""
@@ -700,8 +703,17 @@ class Peer:
         return self.up
 
     async def _send(self, msg: Msg, buffers: list | tuple = ()) -> None:
+        """Queue a message, never waiting: a DEALER with no pipe to its peer (an inproc://
+        peer that is gone) or a full queue would block the send, and with it the heartbeat that
+        is to notice the peer is gone. Such a peer is unreachable: `unavailable`."""
         assert self._sock is not None
-        await self._sock.send_multipart(protocol.encode(msg, buffers), copy=False)
+        try:
+            await self._sock.send_multipart(protocol.encode(msg, buffers), flags=zmq.NOBLOCK,
+                                            copy=False)
+        except zmq.Again:
+            raise PeerError(protocol.UNAVAILABLE, f"{self.name} at {self.endpoint} takes no "
+                                                  f"messages (not connected, or its queue is "
+                                                  f"full)") from None
 
     async def _recv_loop(self) -> None:
         sock = self._sock
@@ -741,8 +753,8 @@ class Peer:
         while True:
             try:
                 await self._send(protocol.Ping(rid=HEARTBEAT_RID, t=time.monotonic()))
-            except zmq.ZMQError:
-                pass
+            except (zmq.ZMQError, PeerError):
+                pass   # unsent: the silence that follows marks the peer down
             await asyncio.sleep(self.heartbeat_s if self.up else min(0.2, self.heartbeat_s))
             silent = time.monotonic() - self.last_seen
             if self.up and silent > self.timeout_s:

@@ -71,8 +71,8 @@ class Work:
 class Prefix(Service):
     name = "prefix"
 
-    def __init__(self, cfg: PrefixConfig):
-        super().__init__(cfg)
+    def __init__(self, cfg: PrefixConfig, ctx=None):
+        super().__init__(cfg, ctx)
         self.cfg: PrefixConfig = cfg
         self.runner = None
         self.queue: list[Work] = []

@@ -54,8 +54,8 @@ class Pending:
 class Suffix(Service):
     name = "suffix"
 
-    def __init__(self, cfg: SuffixConfig):
-        super().__init__(cfg)
+    def __init__(self, cfg: SuffixConfig, ctx=None):
+        super().__init__(cfg, ctx)
         self.cfg: SuffixConfig = cfg
         if cfg.scheduler not in SCHEDULERS:
             raise ValueError(f"scheduler {cfg.scheduler!r} not one of {SCHEDULERS}")
