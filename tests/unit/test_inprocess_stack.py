@@ -9,6 +9,7 @@ import asyncio
 
 import pytest
 
+from common.stats import RequestStats
 from tandem.inprocess import BackgroundStack
 
 PROMPTS = ["def fibonacci(n):\n", "The history of the printing press begins",
@@ -28,9 +29,14 @@ def ids(tokenizer):
     return [tokenizer.encode(p) for p in PROMPTS]
 
 
+TYPED = {f for f in RequestStats.__dataclass_fields__ if f != "raw"}
+
+
 def _gen(stack, prompt_ids, **kw):
-    return stack.complete(list(prompt_ids), max_tokens=N, stop_at_eos=False, deadline_s=120,
-                          **kw)
+    r = stack.complete(list(prompt_ids), max_tokens=N, stop_at_eos=False, deadline_s=120, **kw)
+    untyped = set(r.stats.raw) - TYPED
+    assert not untyped, f"the dispatcher sent stats the shared type lacks: {sorted(untyped)}"
+    return r
 
 
 def test_cloud_only_equals_transformers(stack, ids, reference):
