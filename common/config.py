@@ -73,6 +73,16 @@ class ServiceConfig:
                       max_prompt_tokens=self.max_prompt_tokens)
 
 
+@dataclass
+class ModelServiceConfig(ServiceConfig):
+    """Fields of every service that runs the target model (verifier, prefix, suffix)."""
+    target: str = setting("bundled", "HF model directory of the target, or \"bundled\"")
+    dtype: Literal["float32", "bfloat16", "float16"] = setting(
+        "float32", "compute dtype (float16 and bfloat16 on a GPU)")
+    device: str = setting(
+        "cpu", "cpu | cuda | cuda:N — weights and KV caches there (an error if torch has no such GPU)")
+
+
 # Default ports: ZMQ endpoint and HTTP (metrics) port of each service.
 DEFAULT_PORTS = {
     "dispatcher": (5550, 9550),
@@ -247,5 +257,5 @@ def as_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
 
 
-__all__ = ["ServiceConfig", "DEFAULT_PORTS", "default_endpoint", "load", "as_dict", "field",
+__all__ = ["ServiceConfig", "ModelServiceConfig", "DEFAULT_PORTS", "default_endpoint", "load", "as_dict", "field",
            "setting", "settings", "check"]

@@ -221,6 +221,21 @@ class Service:
     def session_dropped(self, s: Session) -> None:
         """Free what a dropped session holds beyond its table entry; nothing by default."""
 
+    async def next_step(self, ident: bytes, msg: Msg) -> Session | None:
+        """The session a step (one request after its open, `seq` counting up) is for, when the
+        step is new; None when it repeats the latest one (answered from state). A step older
+        than the latest, or one sent while the latest still runs, is refused."""
+        s = self.sessions.find(msg)
+        if await self.answer_retry(ident, s, msg):
+            return None
+        if msg.seq < s.seq:
+            raise ProtocolError(protocol.BAD_FIELD, f"stale step: seq {msg.seq} < {s.seq}",
+                                field="seq")
+        if s.busy:
+            raise ProtocolError(protocol.BAD_FIELD, f"session {msg.sid!r} has a step in flight",
+                                field="seq")
+        return s
+
     async def answer_retry(self, ident: bytes, s: Session, msg: Msg) -> bool:
         """Is `msg` a resend of the session's latest request (same seq)? Then it is answered
         from state — the stored reply, or nothing yet while it still runs — never run twice."""

@@ -1,16 +1,11 @@
 from dataclasses import dataclass
 from typing import Literal
 
-from common.config import ServiceConfig, setting
+from common.config import ModelServiceConfig, setting
 
 
 @dataclass
-class PrefixConfig(ServiceConfig):
-    target: str = setting("bundled", "HF model directory of the target, or \"bundled\"")
-    dtype: Literal["float32", "bfloat16", "float16"] = setting(
-        "float32", "compute dtype (float16 and bfloat16 on a GPU)")
-    device: str = setting(
-        "cpu", "cpu | cuda | cuda:N — weights and KV caches there (an error if torch has no such GPU)")
+class PrefixConfig(ModelServiceConfig):
     c_max: int = setting(0, "layers held: [0, c_max); 0 = all but the last (L - 1)", ge=0)
     wire_dtype: Literal["auto", "float16", "bfloat16", "float32"] = setting(
         "auto", "hidden states on the wire: auto (= dtype: lossless) | float16 | bfloat16 | float32")

@@ -1,16 +1,11 @@
 from dataclasses import dataclass
 from typing import Literal
 
-from common.config import ServiceConfig, setting
+from common.config import ModelServiceConfig, setting
 
 
 @dataclass
-class SuffixConfig(ServiceConfig):
-    target: str = setting("bundled", "HF model directory of the target, or \"bundled\"")
-    dtype: Literal["float32", "bfloat16", "float16"] = setting(
-        "float32", "compute dtype (float16 and bfloat16 on a GPU)")
-    device: str = setting(
-        "cpu", "cpu | cuda | cuda:N — weights and KV caches there (an error if torch has no such GPU)")
+class SuffixConfig(ModelServiceConfig):
     scheduler: Literal["fifo", "exact", "interleave", "dsb", "cascade"] = setting(
         "cascade", "how a window of steps at different cuts is batched (docs/design.md)")
     window_ms: float = setting(
