@@ -35,6 +35,7 @@ class DispatcherConfig(ServiceConfig):
     recovery_wait_s: float = 0.0                  # a session that lost its cloud replica waits this long for one to come back; 0 = until its deadline
     client_max_sessions: int = 0                  # requests one client may have in flight (busy beyond); 0 = no limit
     client_max_tokens: int = 0                    # prompt + max_tokens one client may have in flight; 0 = no limit
+    client_delegates: str = ""                    # comma-separated NAME.key files of CURVE clients (API gateways) that may send requests for their own end clients (GenerateRequest.client)
 
     def __post_init__(self) -> None:
         # settings a request would otherwise trip over mid-stream: refused at start-up instead

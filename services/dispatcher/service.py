@@ -16,7 +16,7 @@ import importlib
 import time
 import uuid
 
-from common import metrics, protocol, security
+from common import chat, metrics, protocol, security
 from common.protocol import ProtocolError
 from common.runtime import PeerError, Service
 from services.dispatcher import recovery
@@ -142,6 +142,7 @@ class Dispatcher(Service):
         self.suffixes = recovery.replicas(self, "suffix", cfg.suffix)
         self.suffix = self.suffixes[0]
         self.quota = security.ClientQuota(cfg.client_max_sessions, cfg.client_max_tokens)
+        self.delegates = security.load_delegates(cfg.client_delegates)   # gateways' keys
         self.modes: dict = {}
         self.route(protocol.GenerateRequest, self.on_generate)
         self.route(protocol.Cancel, self.on_cancel)
@@ -172,11 +173,13 @@ class Dispatcher(Service):
             if bad:
                 raise ProtocolError(protocol.BAD_FIELD, f"token ids outside the vocabulary: {bad[:5]}",
                                     field="token_ids")
+        elif msg.messages is not None:
+            if msg.prompt:
+                raise ProtocolError(protocol.BAD_FIELD, "messages: send a prompt or messages, "
+                                    "not both", field="messages")
+            ids = chat.render_ids(self.tokenizer, chat.normalize(msg.messages, len(msg.messages)))
         elif msg.chat:
-            ids = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": msg.prompt}], add_generation_prompt=True,
-                tokenize=True, return_dict=False)
-            ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+            ids = chat.render_ids(self.tokenizer, [{"role": "user", "content": msg.prompt}])
         else:
             ids = self.tokenizer.encode(msg.prompt)
         if not ids:
@@ -212,7 +215,7 @@ class Dispatcher(Service):
             raise ProtocolError(protocol.BUSY, f"{len(self.requests)} requests in flight")
         policy = (msg.policy or self.cfg.default_policy) if mode == "spec" else mode
         req = Request(self, ident, msg, self.prompt_ids(msg), mode, policy)
-        req.client = security.client_id(ident, frames)
+        req.client = security.client_id(ident, frames, msg.client, self.delegates)
         req.quota = len(req.prompt_ids) + msg.max_tokens
         self.quota.admit(req.client, req.quota)       # per-client limits: busy / too_large
         self.requests[key] = req
