@@ -19,10 +19,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import re
 import shutil
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.parse
@@ -245,6 +247,7 @@ class Stack:
     cluster: object                      # common.launcher.Cluster: the five services
     replica: object                      # a Cluster holding the second suffix replica
     prometheus: str                      # base URL
+    api: str = ""                        # the OpenAI-compatible gateway's base URL (api/)
     started: float = field(default_factory=time.time)
 
     @property
@@ -275,19 +278,55 @@ def observed_stack(workdir: Path, ready_timeout: float = 300.0) -> Iterator[Stac
                       extra={"suffix": ONE_THREAD + ["--scheduler", SPLIT_SCHEDULERS[1]]})
     suffixes = f"{cluster.endpoint('suffix')},{replica.endpoint('suffix')}"
     cluster.extra["dispatcher"] += ["--suffix", suffixes]
+    gateway = None
     try:
         cluster.start_all()
         replica.start_all()
         cluster.wait_ready(timeout=ready_timeout)
         replica.wait_ready(timeout=ready_timeout)
+        gateway, api = start_gateway(cluster.endpoint("dispatcher"), workdir / "logs" / "api.log")
         targets = {n: f"127.0.0.1:{p.http_port}" for n, p in cluster.procs.items()}
         targets[f"suffix-{SPLIT_SCHEDULERS[1]}"] = f"127.0.0.1:{replica.procs['suffix'].http_port}"
+        targets["api"] = api.removeprefix("http://")
         with run_prometheus(targets, workdir / "prometheus") as base:
             wait_for_scrapes(base, len(targets))
-            yield Stack(cluster, replica, base)
+            yield Stack(cluster, replica, base, api)
     finally:
+        if gateway is not None:
+            gateway.terminate()
+            try:
+                gateway.wait(10)
+            except subprocess.TimeoutExpired:
+                gateway.kill()
         replica.stop_all()
         cluster.stop_all()
+
+
+def start_gateway(dispatcher: str, log: Path, timeout: float = 120.0
+                  ) -> tuple[subprocess.Popen, str]:
+    """`tandem serve api` on a free port in front of `dispatcher`, ready; (process, base URL)."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo_root()),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", "serve", "api", "--port",
+                                 str(port), "--dispatcher", dispatcher], stdout=out,
+                                stderr=subprocess.STDOUT, env=env, cwd=str(repo_root()))
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the API gateway exited: {log.read_text(errors='replace')[-2000:]}")
+        try:
+            with urllib.request.urlopen(base + "/readyz", timeout=1) as r:
+                if r.status == 200:
+                    return proc, base
+        except (urllib.error.URLError, OSError):
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise TimeoutError(f"the API gateway not ready in {timeout} s")
+        time.sleep(0.2)
 
 
 def wait_for_scrapes(base: str, n_targets: int, timeout: float = 30.0) -> None:
@@ -360,10 +399,29 @@ async def _drive(endpoint: str, rounds: int, max_tokens: int, report: TrafficRep
                 report.invalid_rejected += 1
 
 
-def drive_traffic(endpoint: str, rounds: int = 1, max_tokens: int = 16) -> TrafficReport:
-    """Requests in every mode through the SDK (see traffic_phases), `rounds` times."""
+def _drive_api(base: str, max_tokens: int, report: TrafficReport) -> None:
+    """A completion and a streamed chat completion through the OpenAI-compatible gateway."""
+    import httpx  # noqa: PLC0415
+
+    for route, body in (("completions", {"prompt": PROMPTS[0]}),
+                        ("chat/completions", {"messages": [{"role": "user", "content": PROMPTS[3]}],
+                                              "stream": True})):
+        r = httpx.post(f"{base}/v1/{route}", timeout=120, json={
+            "model": "tandem", "max_tokens": max_tokens, "temperature": 0, **body})
+        if r.status_code == 200:
+            report.requests += 1
+        else:
+            report.failures.append(f"POST /v1/{route}: {r.status_code} {r.text[:200]}")
+
+
+def drive_traffic(endpoint: str, rounds: int = 1, max_tokens: int = 16,
+                  api: str = "") -> TrafficReport:
+    """Requests in every mode through the SDK (see traffic_phases), `rounds` times; and through
+    the API gateway at `api`, when given."""
     report = TrafficReport()
     t0 = time.monotonic()
     asyncio.run(_drive(endpoint, rounds, max_tokens, report))
+    if api:
+        _drive_api(api, max_tokens, report)
     report.seconds = time.monotonic() - t0
     return report
