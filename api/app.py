@@ -48,7 +48,7 @@ from tandem.errors import (Busy, Cancelled, DeadlineExceeded, InvalidRequest, Se
 
 log = logging.getLogger("tandem.api")
 
-MODES = ("cloud-only", "spec", "split")
+MODES = metrics.MODES
 
 # Request fields Tandem cannot honour: refused (400 naming the field) when set to anything but
 # their "off" value, rather than silently ignored.

@@ -433,6 +433,21 @@ def test_poisoned_numbers_are_refused_naming_them_and_the_gateway_serves_on(
     assert r.choices[0].text == greedy_text(tokenizer, reference, ids, 4)[0]
 
 
+def test_sdk_messages_render_as_the_gateway_does(stack, client, tokenizer, reference):
+    """The SDK's `messages=` goes through the dispatcher's chat template (common/chat.py, the
+    gateway's code too): the same prompt ids, transformers' greedy continuation."""
+    from tandem import Client
+    ids = chat_ids(tokenizer, CONVERSATION)
+    want = list(reference(ids, 8))
+    with Client(stack["cluster"].endpoint("dispatcher")) as c:
+        r = c.complete(messages=CONVERSATION, max_tokens=8, stop_at_eos=False)
+    assert r.token_ids == want
+    http = client.chat.completions.create(model=MODEL, messages=CONVERSATION, max_tokens=8,
+                                          temperature=0, extra_body={"ignore_eos": True})
+    assert http.choices[0].message.content == r.text
+    assert http.usage.prompt_tokens == len(ids)
+
+
 # --- API keys -----------------------------------------------------------------------------------
 
 def test_api_keys_401_without_a_valid_key(stack):
