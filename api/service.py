@@ -21,11 +21,14 @@ def merge_repeated(argv: list[str], flag: str) -> list[str]:
     values, rest, it = [], [], iter(argv)
     for arg in it:
         if arg == flag:
-            values.append(next(it, ""))
+            values.append(next(it, None))
         elif arg.startswith(flag + "="):
             values.append(arg[len(flag) + 1:])
         else:
             rest.append(arg)
+    if any(not v or not v.strip() for v in values):
+        # `--api-key "$KEY"` with KEY unset must not start an open API
+        raise SystemExit(f"{flag} needs a key (an empty one would leave the API open)")
     return rest + [flag, ",".join(values)] if values else rest
 
 

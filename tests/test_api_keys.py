@@ -51,6 +51,9 @@ def test_api_key_flag_repeats():
     assert merge_repeated(["--port", "1", "--api-key", "a", "--api-key=b"], "--api-key") == \
         ["--port", "1", "--api-key", "a,b"]
     assert merge_repeated(["--port", "1"], "--api-key") == ["--port", "1"]
+    for bad in (["--api-key", ""], ["--api-key"], ["--api-key=", "--api-key", "x"]):
+        with pytest.raises(SystemExit, match="needs a key"):
+            merge_repeated(bad, "--api-key")
 
 
 def test_gateway_answers_401_in_openai_shape_and_leaves_health_open(tmp_path):

@@ -167,6 +167,9 @@ class Dispatcher(Service):
 
     # --- client requests ----------------------------------------------------------------------
     def prompt_ids(self, msg: protocol.GenerateRequest) -> list[int]:
+        if msg.messages is not None and (msg.prompt or msg.token_ids is not None):
+            raise ProtocolError(protocol.BAD_FIELD, "messages: send a prompt, token_ids or "
+                                "messages, not more than one", field="messages")
         if msg.token_ids is not None:
             ids = list(msg.token_ids)
             bad = [t for t in ids if not 0 <= t < len(self.tokenizer)]
@@ -174,9 +177,6 @@ class Dispatcher(Service):
                 raise ProtocolError(protocol.BAD_FIELD, f"token ids outside the vocabulary: {bad[:5]}",
                                     field="token_ids")
         elif msg.messages is not None:
-            if msg.prompt:
-                raise ProtocolError(protocol.BAD_FIELD, "messages: send a prompt or messages, "
-                                    "not both", field="messages")
             ids = chat.render_ids(self.tokenizer, chat.normalize(msg.messages, len(msg.messages)))
         elif msg.chat:
             ids = chat.render_ids(self.tokenizer, [{"role": "user", "content": msg.prompt}])
