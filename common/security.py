@@ -209,7 +209,10 @@ def client_id(ident: bytes, frames: list, on_behalf: str = "",
 
 def load_delegates(text: str) -> frozenset[str]:
     """client_delegates "a.key,b.key" -> the z85 public keys allowed to name end clients."""
-    return frozenset(public_key_z85(p.strip()) for p in text.split(",") if p.strip())
+    try:
+        return frozenset(public_key_z85(p.strip()) for p in text.split(",") if p.strip())
+    except KeyFileError as e:
+        raise KeyFileError(f"client_delegates: {e}") from None
 
 
 # ------------------------------------------------------------------------------ client quotas

@@ -142,13 +142,15 @@ class Dispatcher(Service):
         self.suffixes = recovery.replicas(self, "suffix", cfg.suffix)
         self.suffix = self.suffixes[0]
         self.quota = security.ClientQuota(cfg.client_max_sessions, cfg.client_max_tokens)
-        self.delegates = security.load_delegates(cfg.client_delegates)   # gateways' keys
+        self.delegates: frozenset[str] = frozenset()   # gateways' keys (setup)
         self.modes: dict = {}
         self.route(protocol.GenerateRequest, self.on_generate)
         self.route(protocol.Cancel, self.on_cancel)
 
     async def setup(self) -> None:
         from transformers import AutoTokenizer  # noqa: PLC0415
+
+        self.delegates = security.load_delegates(self.cfg.client_delegates)
 
         from common import models  # noqa: PLC0415
 
