@@ -12,6 +12,9 @@ text: the request is cancelled on the dispatcher at once, the stop string is not
 Tandem's own options ride as extra body fields (openai-python's `extra_body`): `mode`,
 `policy`, `cut`, `deadline_s`, `nav_thresholds`, `top_k`, `allow_edge_only`, `ignore_eos`.
 
+With API keys configured (api/auth.py) the /v1 routes need `Authorization: Bearer KEY` (401
+otherwise); each key is one client for the dispatcher's per-client limits.
+
 Errors answer OpenAI's shape {"error": {"message", "type", "param", "code"}}: 400 for a bad
 request (naming the field in `param`), 413 for a body over `max_body_bytes`, 429 (Retry-After)
 when the dispatcher is busy, 503 when it or a service the mode needs is unavailable, 504 when
@@ -37,15 +40,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from api import metrics
+from api import auth, metrics
 from api.config import ApiConfig
+from common import chat
 from tandem.errors import (Busy, Cancelled, DeadlineExceeded, InvalidRequest, ServerError,
                            TandemError, Unavailable)
 
 log = logging.getLogger("tandem.api")
 
-MODES = ("cloud-only", "spec", "split")
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+MODES = metrics.MODES
 
 # Request fields Tandem cannot honour: refused (400 naming the field) when set to anything but
 # their "off" value, rather than silently ignored.
@@ -255,54 +258,17 @@ class Params:
 
 # --- prompts ------------------------------------------------------------------------------------
 
-def _content_text(i: int, content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or \
-                    not isinstance(part.get("text"), str):
-                raise ApiError(400, f"messages[{i}].content: only text parts are supported",
-                               param=f"messages[{i}].content", code="unsupported_value")
-            parts.append(part["text"])
-        return "".join(parts)
-    raise _type_error(f"messages[{i}].content", "a string or a list of text parts", content)
+_MESSAGE_CODES = {"missing": "missing_required_parameter", "invalid_type": "invalid_type",
+                  "invalid_value": "invalid_value", "too_many": "too_many_messages",
+                  "unsupported": "unsupported_value"}
 
 
 def chat_messages(body: dict, max_messages: int) -> list[dict]:
-    msgs = body.get("messages")
-    if msgs is None:
-        raise ApiError(400, "messages: required", param="messages",
-                       code="missing_required_parameter")
-    if not isinstance(msgs, list):
-        raise _type_error("messages", "a list of messages", msgs)
-    if not msgs:
-        raise ApiError(400, "messages: at least one message is required", param="messages",
-                       code="invalid_value")
-    if len(msgs) > max_messages:
-        raise ApiError(400, f"messages: {len(msgs)} messages is over the limit of "
-                       f"{max_messages}", param="messages", code="too_many_messages")
-    out = []
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict):
-            raise _type_error(f"messages[{i}]", "an object", m)
-        role = m.get("role")
-        if role not in ROLES:
-            if role in ("tool", "function"):
-                raise ApiError(400, f"messages[{i}].role: {role!r} messages (tool calling) are "
-                               "not supported", param=f"messages[{i}].role",
-                               code="unsupported_value")
-            raise _range_error(f"messages[{i}].role", "system, developer, user or assistant",
-                               role)
-        if m.get("tool_calls"):
-            raise ApiError(400, f"messages[{i}].tool_calls: tool calling is not supported",
-                           param=f"messages[{i}].tool_calls", code="unsupported_value")
-        content = m.get("content")
-        if content is None and role == "assistant":
-            content = ""
-        out.append({"role": ROLES[role], "content": _content_text(i, content)})
-    return out
+    """The request's conversation, checked (common/chat.py, shared with the dispatcher)."""
+    try:
+        return chat.normalize(body.get("messages"), max_messages)
+    except chat.MessageError as e:
+        raise ApiError(400, str(e), param=e.field, code=_MESSAGE_CODES[e.code]) from None
 
 
 def completion_prompt(body: dict) -> str | list[int]:
@@ -368,6 +334,10 @@ class Gateway:
         self.client = AsyncClient(
             self.cfg.dispatcher, timeout_s=self.cfg.request_timeout_s,
             connect_timeout_s=self.cfg.connect_timeout_s,
+            # busy / unavailable go straight back as 429 / 503: HTTP clients retry on their own
+            # schedule (openai-python does, honouring Retry-After); retrying here as well would
+            # multiply the attempts and hide the load from them
+            max_retries=0,
             curve_server_key=self.cfg.curve_server_key or None,
             curve_client_key=self.cfg.curve_client_key or None)
         metrics.declare()
@@ -388,8 +358,7 @@ class Gateway:
 
     async def chat_ids(self, messages: list[dict]) -> list[int]:
         size = sum(len(m["content"]) for m in messages)
-        return await self._tokens(lambda: self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False), size)
+        return await self._tokens(lambda: chat.render_ids(self.tokenizer, messages), size)
 
     async def prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, list):
@@ -413,16 +382,14 @@ class Gateway:
     async def pieces(self, run: "Run") -> AsyncIterator[str]:
         """The text to send, in pieces; run.finish / run.tokens / run.stats filled as it goes.
         Closing this generator (or cancelling its task) cancels the request on the dispatcher."""
-        agen = self.client.generate(run.ids, **run.params.sdk)
+        agen = self.client.generate(run.ids, end_client=run.client, **run.params.sdk)
         scan = StopScanner(run.params.stop)
         try:
             while True:
                 try:
                     chunk = await agen.__anext__()
                 except StopAsyncIteration:
-                    # set by the SDK in the same event-loop step that ended the stream: no other
-                    # request's result can be there yet
-                    r = self.client.last_result
+                    r = agen.result   # this stream's own (concurrent streams have theirs)
                     run.stats = dict(r.stats) if r is not None else {}
                     run.finish = "length" if r is not None and r.finish_reason == "length" \
                         else "stop"
@@ -449,8 +416,9 @@ class Gateway:
 class Run:
     """One generation's bookkeeping."""
 
-    def __init__(self, route: str, ids: list[int], params: Params):
+    def __init__(self, route: str, ids: list[int], params: Params, client: str = ""):
         self.route, self.ids, self.params = route, ids, params
+        self.client = client   # the API key's identity: the dispatcher's per-client limits
         self.t0 = time.monotonic()
         self.ttft: float | None = None
         self.tokens = 0
@@ -511,9 +479,27 @@ def _sse(obj: dict | str) -> bytes:
 
 def create_app(cfg: ApiConfig | None = None) -> Starlette:
     cfg = cfg or ApiConfig()
+    keys = auth.Keys(auth.load_keys(cfg.api_key, cfg.api_keys_file))   # KeysError: bad setting
     gw = Gateway(cfg)
 
+    def authorize(request: Request) -> str:
+        """The request's client identity ("" when the API is open); 401 without a valid key."""
+        if not keys.enabled:
+            return ""
+        ident = keys.identity(request.headers.get("authorization"))
+        if ident is None:
+            missing = not request.headers.get("authorization")
+            raise ApiError(
+                401, "no API key provided: send it as 'Authorization: Bearer KEY'" if missing
+                else "incorrect API key provided", code="missing_api_key" if missing else
+                "invalid_api_key", headers={"WWW-Authenticate": 'Bearer realm="tandem"'})
+        return ident
+
     async def models_route(request: Request) -> Response:
+        try:
+            authorize(request)
+        except ApiError as e:
+            return e.response()
         return JSONResponse({"object": "list", "data": [
             {"id": m, "object": "model", "created": gw.created, "owned_by": "tandem"}
             for m in gw.model_ids[:1]]})
@@ -522,6 +508,7 @@ def create_app(cfg: ApiConfig | None = None) -> Starlette:
         route = request.url.path
         chat = route == "/v1/chat/completions"
         try:
+            client = authorize(request)
             if not gw.ready:
                 raise ApiError(503, "the gateway is starting", code="unavailable",
                                type="service_unavailable_error")
@@ -533,7 +520,7 @@ def create_app(cfg: ApiConfig | None = None) -> Starlette:
             else:
                 ids = await gw.prompt_ids(completion_prompt(body))
                 gw.check_length(ids, "prompt")
-            run = Run(route, ids, params)
+            run = Run(route, ids, params, client)
             if params.stream:
                 return await stream(run, chat)
             return await whole(run, chat, request)

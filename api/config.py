@@ -32,6 +32,8 @@ class ApiConfig:
     cpus: str = ""                                # cores to run on (applied by `tandem up`); "" = inherited
     curve_server_key: str = ""                    # the dispatcher's NAME.key when it runs CURVE
     curve_client_key: str = ""                    # this gateway's NAME.key_secret, allowlisted by the dispatcher
+    api_key: str = ""                             # API key(s) clients must send as "Authorization: Bearer KEY", comma-separated (--api-key may repeat); "" and no keys file = open API
+    api_keys_file: str = ""                       # file of API keys, one per line (# comments); each key is one client for the dispatcher's per-client limits
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_messages", "max_prompt_tokens", "default_max_tokens",

@@ -28,12 +28,19 @@ CANCELLED = Counter("tandem_api_cancelled_total",
                     ["route", "reason"])
 
 
+MODES = ("cloud-only", "spec", "split")
+
+
 def declare() -> None:
-    """Children known at start, at 0, so dashboards show them before the first request."""
+    """Children known at start, at 0, so dashboards show them before the first request (and a
+    rate() over the first requests sees them rise from 0: a series born at 1 has no increase)."""
     for route in ROUTES:
         REQUESTS.labels(route, "200")
     for route in ROUTES[1:]:
         ACTIVE.labels(route).set(0)
+        for mode in MODES:
+            for family in (TTFT, TPT, COMPLETION_TOKENS, PROMPT_TOKENS):
+                family.labels(route, mode)
 
 
 def route_of(path: str) -> str:

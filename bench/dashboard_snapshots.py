@@ -350,7 +350,8 @@ def main(argv: list[str] | None = None) -> int:
         start = time.time() - 5
         rounds = requests = tokens = 0
         while time.time() - start < args.seconds + 5:
-            rep = traffic.drive_traffic(stack.dispatcher, rounds=1, max_tokens=args.max_tokens)
+            rep = traffic.drive_traffic(stack.dispatcher, rounds=1, max_tokens=args.max_tokens,
+                                        api=stack.api)
             if rep.failures:
                 print("failed requests:", *rep.failures, sep="\n  ", file=sys.stderr)
                 return 1

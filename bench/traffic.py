@@ -68,10 +68,29 @@ async def _drive(endpoint: str, rounds: int, max_tokens: int, report: TrafficRep
                 report.invalid_rejected += 1
 
 
-def drive_traffic(endpoint: str, rounds: int = 1, max_tokens: int = 16) -> TrafficReport:
-    """Requests in every mode through the SDK (see traffic_phases), `rounds` times."""
+def _drive_api(base: str, max_tokens: int, report: TrafficReport) -> None:
+    """A completion and a streamed chat completion through the OpenAI-compatible gateway."""
+    import httpx
+
+    for route, body in (("completions", {"prompt": PROMPTS[0]}),
+                        ("chat/completions", {"messages": [{"role": "user", "content": PROMPTS[3]}],
+                                              "stream": True})):
+        r = httpx.post(f"{base}/v1/{route}", timeout=120, json={
+            "model": "tandem", "max_tokens": max_tokens, "temperature": 0, **body})
+        if r.status_code == 200:
+            report.requests += 1
+        else:
+            report.failures.append(f"POST /v1/{route}: {r.status_code} {r.text[:200]}")
+
+
+def drive_traffic(endpoint: str, rounds: int = 1, max_tokens: int = 16,
+                  api: str = "") -> TrafficReport:
+    """Requests in every mode through the SDK (see traffic_phases), `rounds` times; and through
+    the API gateway at `api`, when given."""
     report = TrafficReport()
     t0 = time.monotonic()
     asyncio.run(_drive(endpoint, rounds, max_tokens, report))
+    if api:
+        _drive_api(api, max_tokens, report)
     report.seconds = time.monotonic() - t0
     return report

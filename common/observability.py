@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import shutil
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.parse
@@ -244,6 +246,7 @@ class Stack:
     cluster: object                      # common.launcher.Cluster: the five services
     replica: object                      # a Cluster holding the second suffix replica
     prometheus: str                      # base URL
+    api: str = ""                        # the OpenAI-compatible gateway's base URL (api/)
     started: float = field(default_factory=time.time)
 
     @property
@@ -274,19 +277,55 @@ def observed_stack(workdir: Path, ready_timeout: float = 300.0) -> Iterator[Stac
                       extra={"suffix": ONE_THREAD + ["--scheduler", SPLIT_SCHEDULERS[1]]})
     suffixes = f"{cluster.endpoint('suffix')},{replica.endpoint('suffix')}"
     cluster.extra["dispatcher"] += ["--suffix", suffixes]
+    gateway = None
     try:
         cluster.start_all()
         replica.start_all()
         cluster.wait_ready(timeout=ready_timeout)
         replica.wait_ready(timeout=ready_timeout)
+        gateway, api = start_gateway(cluster.endpoint("dispatcher"), workdir / "logs" / "api.log")
         targets = {n: f"127.0.0.1:{p.http_port}" for n, p in cluster.procs.items()}
         targets[f"suffix-{SPLIT_SCHEDULERS[1]}"] = f"127.0.0.1:{replica.procs['suffix'].http_port}"
+        targets["api"] = api.removeprefix("http://")
         with run_prometheus(targets, workdir / "prometheus") as base:
             wait_for_scrapes(base, len(targets))
-            yield Stack(cluster, replica, base)
+            yield Stack(cluster, replica, base, api)
     finally:
+        if gateway is not None:
+            gateway.terminate()
+            try:
+                gateway.wait(10)
+            except subprocess.TimeoutExpired:
+                gateway.kill()
         replica.stop_all()
         cluster.stop_all()
+
+
+def start_gateway(dispatcher: str, log: Path, timeout: float = 120.0
+                  ) -> tuple[subprocess.Popen, str]:
+    """`tandem serve api` on a free port in front of `dispatcher`, ready; (process, base URL)."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo_root()),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", "serve", "api", "--port",
+                                 str(port), "--dispatcher", dispatcher], stdout=out,
+                                stderr=subprocess.STDOUT, env=env, cwd=str(repo_root()))
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the API gateway exited: {log.read_text(errors='replace')[-2000:]}")
+        try:
+            with urllib.request.urlopen(base + "/readyz", timeout=1) as r:
+                if r.status == 200:
+                    return proc, base
+        except (urllib.error.URLError, OSError):
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise TimeoutError(f"the API gateway not ready in {timeout} s")
+        time.sleep(0.2)
 
 
 def wait_for_scrapes(base: str, n_targets: int, timeout: float = 30.0) -> None:

@@ -17,7 +17,7 @@ sends back in an `Error` message.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Any, Union
+from typing import Annotated, Any, Literal, Union
 
 import msgspec
 import numpy as np
@@ -152,6 +152,12 @@ class Close(Msg, tag="close"):
 
 
 # --- client <-> dispatcher ------------------------------------------------------------------
+class ChatMessage(msgspec.Struct):
+    """One turn of a conversation (GenerateRequest.messages); common/chat.py renders it."""
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str
+
+
 class GenerateRequest(Msg, tag="generate"):
     prompt: str = ""
     token_ids: list[TokenId] | None = None   # pre-tokenised prompt instead of `prompt`
@@ -167,6 +173,11 @@ class GenerateRequest(Msg, tag="generate"):
     nav_thresholds: Annotated[list[Threshold], msgspec.Meta(min_length=2, max_length=2)] | None = None
     # ^ spec mode: fixed [R1, R2] for this request, the autotuner neither used nor fed (tuning
     #   benchmarks)
+    messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1, max_length=1024)] | None = None
+    # ^ a conversation instead of `prompt`, through the target's chat template (common/chat.py)
+    client: Annotated[str, msgspec.Meta(max_length=128)] = ""
+    # ^ the end client a gateway sends this request for (an API key's identity): the dispatcher's
+    #   per-client limits count it as "<sender>/<client>" (common/security.client_id)
 
 
 class Cancel(Msg, tag="cancel"):

@@ -181,17 +181,38 @@ def start_authenticator(ctx: zmq.Context, keys: ServerKeys):
     return auth
 
 
-def client_id(ident: bytes, frames: list) -> str:
-    """Who sent a message: its CURVE public key when the socket authenticates clients (one key
-    = one client, however many sockets it opens), else its ZMQ routing identity."""
+def client_id(ident: bytes, frames: list, on_behalf: str = "",
+              delegates: frozenset[str] = frozenset()) -> str:
+    """Who a request counts against: its sender's CURVE public key when the socket
+    authenticates clients (one key = one client, however many sockets it opens), else its ZMQ
+    routing identity. A sender that names an end client (`on_behalf`, an API gateway's key
+    identity) gets "<sender>/<end client>": one sub-client per end client, each with its own
+    limits. Over CURVE only senders whose key is in `delegates` may do that (else one key could
+    escape its own limits by naming new end clients); in plaintext any sender may, which gives
+    it nothing it lacks already (a new socket is a new identity)."""
+    sender = None
     if frames and isinstance(frames[0], zmq.Frame):
         try:
             user = frames[0].get("User-Id")
         except zmq.ZMQError:
             user = None
         if user:
-            return f"key:{user}"
-    return f"id:{ident.hex()}"
+            sender = f"key:{user}"
+            if on_behalf and user not in delegates:
+                raise ProtocolError(protocol.BAD_FIELD,
+                                    "client: this client's CURVE key may not send requests for "
+                                    "end clients (not in the dispatcher's client_delegates)",
+                                    field="client")
+    sender = sender or f"id:{ident.hex()}"
+    return f"{sender}/{on_behalf}" if on_behalf else sender
+
+
+def load_delegates(text: str) -> frozenset[str]:
+    """client_delegates "a.key,b.key" -> the z85 public keys allowed to name end clients."""
+    try:
+        return frozenset(public_key_z85(p.strip()) for p in text.split(",") if p.strip())
+    except KeyFileError as e:
+        raise KeyFileError(f"client_delegates: {e}") from None
 
 
 # ------------------------------------------------------------------------------ client quotas

@@ -1,8 +1,10 @@
 """Errors are typed (tandem.errors), each with the wire's stable `code` and the server's
 `message`: InvalidRequest, Busy, DeadlineExceeded, Cancelled, Unavailable, ServerError — all
-subclasses of TandemError.
+subclasses of TandemError. Busy and Unavailable before the first token are retried by the
+client itself (exponential backoff with jitter, `max_retries=2` by default, as openai-python);
+what reaches the caller has already been retried.
 
-    python examples/errors.py [tcp://127.0.0.1:5550]
+    python examples/error_handling.py [tcp://127.0.0.1:5550]
 """
 
 from _endpoint import ENDPOINT
@@ -19,7 +21,7 @@ with Client(ENDPOINT) as c:
 
     try:
         c.complete("Hello", max_tokens=4)
-    except Busy:                               # over capacity: back off and retry
+    except Busy:                               # still over capacity after the retries
         print("busy, retry later")
     except Unavailable as e:                   # a service the mode needs is down
         print(f"unavailable: {e.message}")
@@ -29,8 +31,9 @@ with Client(ENDPOINT) as c:
         print("a good request succeeds")
 
 # Nothing listens here: the request cannot be sent, and the client says so after
-# connect_timeout_s (default 10 s) with Unavailable ("no dispatcher reachable at ...").
-with Client("tcp://127.0.0.1:9", connect_timeout_s=1) as dead:
+# connect_timeout_s (default 10 s) with Unavailable ("no dispatcher reachable at ..."); without
+# max_retries=0 it would first try twice more, 0.5 s and 1 s apart.
+with Client("tcp://127.0.0.1:9", connect_timeout_s=1, max_retries=0) as dead:
     try:
         dead.complete("Hello", max_tokens=4)
     except Unavailable as e:

@@ -1,11 +1,18 @@
 """Tandem: one LLM served across an edge device and a cloud GPU. This package is the client SDK
 (and the `tandem` command line)."""
 
-from tandem.client import DEFAULT_ENDPOINT, AsyncClient, Chunk, Client, Result
+from importlib.metadata import PackageNotFoundError, version
+
+from tandem.client import DEFAULT_ENDPOINT, AsyncClient, AsyncStream, Chunk, Client, Result, Stream
 from tandem.errors import (Busy, Cancelled, DeadlineExceeded, InvalidRequest, ServerError,
                            TandemError, Unavailable)
 from tandem.stats import Stats
 
-__all__ = ["Client", "AsyncClient", "Chunk", "Result", "Stats", "DEFAULT_ENDPOINT", "TandemError",
-           "InvalidRequest", "Busy", "DeadlineExceeded", "Cancelled", "Unavailable",
-           "ServerError"]
+try:
+    __version__ = version("tandem")   # the installed distribution's (pyproject.toml)
+except PackageNotFoundError:          # run from a source tree that was never installed
+    __version__ = "0+unknown"
+
+__all__ = ["Client", "AsyncClient", "Stream", "AsyncStream", "Chunk", "Result", "Stats",
+           "DEFAULT_ENDPOINT", "TandemError", "InvalidRequest", "Busy", "DeadlineExceeded", "Cancelled", "Unavailable",
+           "ServerError", "__version__"]

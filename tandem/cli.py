@@ -322,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(prog="tandem", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    from tandem import __version__  # noqa: PLC0415
+    ap.add_argument("--version", action="version", version=f"tandem {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True)
     up = sub.add_parser("up", help="start all services locally and stream a demo")
     up.add_argument("--detach", action="store_true", help="return after the demo")

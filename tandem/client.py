@@ -11,6 +11,24 @@
             ...
         result = await c.complete("Hello", max_tokens=16)   # whole result at once
 
+`generate` returns a stream object that carries its own result (`stream.result`, set when it
+ended normally; `client.last_result` still holds the latest one, for compatibility):
+
+    stream = c.generate("Hello", max_tokens=16)
+    text = "".join(chunk.text for chunk in stream)
+    print(stream.result.finish_reason, stream.attempts)
+
+A conversation goes in as `messages=` (the dispatcher renders it with the target's chat
+template, common/chat.py, as the OpenAI gateway does):
+
+    c.complete(messages=[{"role": "system", "content": "Be brief."},
+                         {"role": "user", "content": "Name a colour."}])
+
+A request the dispatcher answers `busy` or `unavailable` before its first token is retried with
+exponential backoff and jitter (openai-python's schedule: 0.5 s doubling up to 8 s, minus up to
+25 %), `max_retries` times (2 by default; per client or per call). Never after a token arrived:
+the stream would repeat or lose text.
+
 Errors arrive as typed exceptions (tandem.errors). Nothing here needs torch.
 
 A dispatcher that runs CURVE is reached with its public key and this client's key pair:
@@ -24,17 +42,19 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import random
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Iterator
+from typing import AsyncIterator
 
 import zmq
 import zmq.asyncio
 
-from common import protocol
-from tandem.errors import Cancelled, DeadlineExceeded, TandemError, Unavailable, error_from_code
+from common import chat, protocol
+from tandem.errors import (Busy, Cancelled, DeadlineExceeded, TandemError, Unavailable,
+                           error_from_code)
 from tandem.stats import Stats
 
 # A wire field as the argument of `generate` that sets it (InvalidRequest.field).
@@ -43,6 +63,10 @@ _ARGUMENTS = {"sampling.temperature": "temperature", "sampling.top_k": "top_k",
               "deadline_s": "deadline_s"}
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5550"
+DEFAULT_MAX_RETRIES = 2        # as openai-python
+RETRY_INITIAL_S = 0.5          # first backoff; doubles per retry (openai-python's schedule)
+RETRY_MAX_S = 8.0              # backoff cap
+MAX_MESSAGES = 1024            # the wire's limit on GenerateRequest.messages
 
 
 @dataclass
@@ -95,18 +119,73 @@ def client_options(server_key, client_key, connect_timeout_s: float):
     return curve_keys(server_key, client_key)
 
 
+def retry_delay(attempt: int, initial_s: float = RETRY_INITIAL_S, max_s: float = RETRY_MAX_S,
+                rand=random.random) -> float:
+    """Seconds to wait before retry number `attempt` + 1 (0-based): exponential backoff capped
+    at `max_s`, with jitter taking off up to 25 % so clients refused together do not come back
+    together (openai-python's formula)."""
+    return min(initial_s * 2.0 ** attempt, max_s) * (1.0 - 0.25 * rand())
+
+
+def _check_retries(max_retries) -> int:
+    if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
+        raise ValueError(f"max_retries must be an integer >= 0, got {max_retries!r}")
+    return max_retries
+
+
+def _wire_messages(messages) -> list[protocol.ChatMessage]:
+    """`messages=` checked here (the rules the dispatcher applies, common/chat.py), so a bad one
+    fails in the caller naming the message."""
+    try:
+        turns = chat.normalize(messages, MAX_MESSAGES)
+    except chat.MessageError as e:
+        raise error_from_code(protocol.BAD_FIELD, str(e), e.field) from None
+    return [protocol.ChatMessage(role=m["role"], content=m["content"]) for m in turns]
+
+
+class AsyncStream:
+    """One generation: an async iterator of Chunks. `result` is the whole Result once the stream
+    ended normally (None before, or after an error); `attempts` how many times the request was
+    sent (retries after busy / unavailable included). Closing it early (`aclose()`, leaving
+    `async with`, or cancelling the task iterating it) cancels the request on the dispatcher."""
+
+    def __init__(self, client: "AsyncClient", args: dict, max_retries: int):
+        self.result: Result | None = None
+        self.attempts = 0
+        self._gen = client._run(self, args, max_retries)
+
+    def __aiter__(self) -> "AsyncStream":
+        return self
+
+    async def __anext__(self) -> Chunk:
+        return await self._gen.__anext__()
+
+    async def aclose(self) -> None:
+        await self._gen.aclose()
+
+    async def __aenter__(self) -> "AsyncStream":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+
 class AsyncClient:
     """`curve_server_key` + `curve_client_key` (paths from `tandem keys`): talk to a
     dispatcher that runs CURVE (`--curve-secret-key`, `--curve-allow-dir`): the stream is
-    encrypted and the dispatcher lets in only allowlisted client keys."""
+    encrypted and the dispatcher lets in only allowlisted client keys. `max_retries`: times a
+    request refused with busy / unavailable before its first token is sent again (per call:
+    `generate(..., max_retries=n)`)."""
 
     def __init__(self, endpoint: str = DEFAULT_ENDPOINT, timeout_s: float = 300.0,
                  limits: protocol.Limits | None = None, *, curve_server_key=None,
                  curve_client_key=None, connect_timeout_s: float = 10.0,
+                 max_retries: int = DEFAULT_MAX_RETRIES,
                  context: zmq.asyncio.Context | None = None):
         self.endpoint = endpoint
         self.timeout_s = timeout_s       # default deadline of a request
         self.connect_timeout_s = connect_timeout_s   # no dispatcher connected by then: Unavailable
+        self.max_retries = _check_retries(max_retries)
         self.limits = limits or protocol.Limits()
         keys = client_options(curve_server_key, curve_client_key, connect_timeout_s)
         # `context`: the one an in-process stack's services share (tandem/inprocess.py)
@@ -122,7 +201,10 @@ class AsyncClient:
         self._rids = itertools.count(1)
         self._queues: dict[int, asyncio.Queue] = {}
         self._reader: asyncio.Task | None = None
-        self.last_result: Result | None = None
+        self.last_result: Result | None = None   # the latest stream's result (compatibility;
+        # concurrent streams overwrite it: read stream.result)
+        self._sleep = asyncio.sleep     # the backoff's clock and dice (tests replace them)
+        self._random = random.random
 
     async def __aenter__(self) -> "AsyncClient":
         return self
@@ -149,36 +231,89 @@ class AsyncClient:
             if q is not None:
                 q.put_nowait(msg)
 
-    async def generate(self, prompt: str | list[int], *, mode: str = "cloud-only",
-                       max_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
-                       top_p: float = 1.0, seed: int | None = None, policy: str = "",
-                       cut: int = 0, chat: bool = False, deadline_s: float | None = None,
-                       stop_at_eos: bool = True,
-                       allow_edge_only: bool = False,
-                       nav_thresholds: tuple[float, float] | None = None) -> AsyncIterator[Chunk]:
-        """Stream a generation. On normal end `self.last_result` holds the whole result."""
-        if self._reader is None:
-            self._reader = asyncio.get_running_loop().create_task(self._read())
-        rid = next(self._rids)
-        q: asyncio.Queue = asyncio.Queue()
-        self._queues[rid] = q
-        deadline = self.timeout_s if deadline_s is None else deadline_s
+    def generate(self, prompt: str | list[int] | None = None, *, messages: list | None = None,
+                 mode: str = "cloud-only", max_tokens: int = 64, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None, policy: str = "",
+                 cut: int = 0, chat: bool = False, deadline_s: float | None = None,
+                 stop_at_eos: bool = True, allow_edge_only: bool = False,
+                 nav_thresholds: tuple[float, float] | None = None, end_client: str = "",
+                 max_retries: int | None = None) -> AsyncStream:
+        """Stream a generation of `prompt` (text or token ids) or of `messages` (a conversation,
+        [{"role", "content"}], through the target's chat template). `end_client`: the end client
+        a gateway sends this for (the dispatcher's per-client limits count it separately).
+        Returns an AsyncStream; its `result` (and `self.last_result`) holds the whole result
+        once it ended normally."""
+        args = dict(prompt=prompt, messages=messages, mode=mode, max_tokens=max_tokens,
+                    temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, policy=policy,
+                    cut=cut, chat=chat, deadline_s=deadline_s, stop_at_eos=stop_at_eos,
+                    allow_edge_only=allow_edge_only, nav_thresholds=nav_thresholds,
+                    end_client=end_client)
+        retries = self.max_retries if max_retries is None else _check_retries(max_retries)
+        return AsyncStream(self, args, retries)
+
+    def _request(self, a: dict, deadline: float) -> protocol.GenerateRequest:
+        prompt, messages = a["prompt"], a["messages"]
+        if (prompt is None) == (messages is None):
+            raise error_from_code(protocol.BAD_FIELD, "pass a prompt or messages (one of them)",
+                                  "prompt" if prompt is None else "messages")
+        nav = a["nav_thresholds"]
         msg = protocol.GenerateRequest(
-            rid=rid, prompt=prompt if isinstance(prompt, str) else "",
-            token_ids=None if isinstance(prompt, str) else list(prompt), chat=chat, mode=mode,
-            policy=policy, cut=cut, max_tokens=max_tokens, stop_at_eos=stop_at_eos,
-            sampling=protocol.Sampling(temperature=temperature, top_k=top_k, top_p=top_p,
-                                       seed=seed),
-            deadline_s=deadline, allow_edge_only=allow_edge_only,
-            nav_thresholds=None if nav_thresholds is None else [float(r) for r in nav_thresholds])
+            rid=next(self._rids), prompt=prompt if isinstance(prompt, str) else "",
+            token_ids=None if prompt is None or isinstance(prompt, str) else list(prompt),
+            messages=None if messages is None else _wire_messages(messages),
+            chat=a["chat"], mode=a["mode"], policy=a["policy"], cut=a["cut"],
+            max_tokens=a["max_tokens"], stop_at_eos=a["stop_at_eos"],
+            sampling=protocol.Sampling(temperature=a["temperature"], top_k=a["top_k"],
+                                       top_p=a["top_p"], seed=a["seed"]),
+            deadline_s=deadline, allow_edge_only=a["allow_edge_only"],
+            nav_thresholds=None if nav is None else [float(r) for r in nav],
+            client=a["end_client"])
         try:   # the wire's own rules, before anything leaves: NaN, inf, out-of-range values
             protocol.check(msg)
         except protocol.ProtocolError as e:
             arg = _ARGUMENTS.get(e.field, e.field)
             raise error_from_code(e.code, e.message.replace(e.field, arg, 1), arg) from None
+        return msg
+
+    async def _run(self, stream: AsyncStream, args: dict, max_retries: int
+                   ) -> AsyncIterator[Chunk]:
+        """The request, sent again after busy / unavailable while no token has arrived, the
+        retries within the request's deadline."""
+        deadline = self.timeout_s if args["deadline_s"] is None else args["deadline_s"]
+        end = time.monotonic() + deadline
+        retry = 0
+        while True:
+            msg = self._request(args, deadline if retry == 0 else
+                                max(end - time.monotonic(), 0.001))
+            started = False
+            stream.attempts += 1
+            attempt = self._attempt(stream, msg)
+            try:
+                async for chunk in attempt:
+                    started = True
+                    yield chunk
+                return
+            except (Busy, Unavailable):
+                if started or retry >= max_retries:
+                    raise
+                delay = retry_delay(retry, rand=self._random)
+                if time.monotonic() + delay >= end:
+                    raise   # no time left for another try: the caller hears why now
+            finally:   # closed early (the caller stopped, or its task was cancelled): the
+                await attempt.aclose()   # attempt's own cleanup sends Cancel now, not at GC
+            retry += 1
+            await self._sleep(delay)
+
+    async def _attempt(self, stream: AsyncStream, msg: protocol.GenerateRequest
+                       ) -> AsyncIterator[Chunk]:
+        if self._reader is None:
+            self._reader = asyncio.get_running_loop().create_task(self._read())
+        rid = msg.rid
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues[rid] = q
         result = Result()
-        end = time.monotonic() + deadline + 5.0   # the dispatcher enforces the deadline; this
-        finished = False                          # only guards against a dead dispatcher
+        end = time.monotonic() + msg.deadline_s + 5.0   # the dispatcher enforces the deadline;
+        finished = False                                # this only guards against a dead one
         try:
             # A DEALER's send waits until a dispatcher is connected: one that is not running,
             # or refuses our CURVE key, must not hold the caller for the whole deadline.
@@ -186,6 +321,7 @@ class AsyncClient:
             try:
                 await asyncio.wait_for(self.sock.send_multipart(protocol.encode(msg)), wait)
             except asyncio.TimeoutError:
+                finished = True   # nothing was sent: nothing to cancel
                 raise Unavailable(protocol.UNAVAILABLE, f"no dispatcher reachable at "
                                   f"{self.endpoint} within {wait:.3g} s (not running, or not "
                                   f"accepting this client's CURVE key)") from None
@@ -205,10 +341,10 @@ class AsyncClient:
                 elif isinstance(ev, protocol.Done):
                     result.finish_reason = ev.finish_reason
                     result.stats = Stats.from_dict(ev.stats)
-                    self.last_result = result
                     finished = True
                     if ev.finish_reason == "cancelled":
                         raise Cancelled(protocol.CANCELLED, "request cancelled")
+                    stream.result = self.last_result = result
                     return
                 elif isinstance(ev, protocol.Error):
                     finished = True
@@ -222,30 +358,71 @@ class AsyncClient:
                 except (zmq.ZMQError, asyncio.TimeoutError):
                     pass
 
-    async def complete(self, prompt: str | list[int], **kw) -> Result:
-        async for _ in self.generate(prompt, **kw):
+    async def complete(self, prompt: str | list[int] | None = None, **kw) -> Result:
+        """The whole result at once (same arguments as `generate`)."""
+        stream = self.generate(prompt, **kw)
+        async for _ in stream:
             pass
-        assert self.last_result is not None
-        return self.last_result
+        assert stream.result is not None
+        return stream.result
+
+
+class Stream:
+    """A synchronous generation (Client.generate): an iterator of Chunks with the stream's own
+    `result` and `attempts`, as AsyncStream. `close()` (or leaving `with`) ends it early and
+    cancels the request on the dispatcher."""
+
+    def __init__(self, client: "Client", astream: AsyncStream):
+        self._client, self._astream = client, astream
+
+    @property
+    def result(self) -> Result | None:
+        return self._astream.result
+
+    @property
+    def attempts(self) -> int:
+        return self._astream.attempts
+
+    def __iter__(self) -> "Stream":
+        return self
+
+    def __next__(self) -> Chunk:
+        try:
+            return self._client._call(self._astream.__anext__())
+        except StopAsyncIteration:
+            raise StopIteration from None
+
+    def close(self) -> None:
+        self._client._call(self._astream.aclose())
+
+    def __enter__(self) -> "Stream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 class Client:
     """Synchronous wrapper: the async client runs on a private event-loop thread."""
 
     def __init__(self, endpoint: str = DEFAULT_ENDPOINT, timeout_s: float = 300.0, *,
-                 curve_server_key=None, curve_client_key=None, connect_timeout_s: float = 10.0):
+                 curve_server_key=None, curve_client_key=None, connect_timeout_s: float = 10.0,
+                 max_retries: int = DEFAULT_MAX_RETRIES):
         client_options(curve_server_key, curve_client_key, connect_timeout_s)   # fail here
+        _check_retries(max_retries)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
                                         name="tandem-client")
         self._thread.start()
         self._async = self._call(self._make(endpoint, timeout_s, curve_server_key,
-                                            curve_client_key, connect_timeout_s))
+                                            curve_client_key, connect_timeout_s, max_retries))
 
     @staticmethod
-    async def _make(endpoint, timeout_s, server_key, client_key, connect_s) -> AsyncClient:
+    async def _make(endpoint, timeout_s, server_key, client_key, connect_s,
+                    max_retries) -> AsyncClient:
         return AsyncClient(endpoint, timeout_s, curve_server_key=server_key,
-                           curve_client_key=client_key, connect_timeout_s=connect_s)
+                           curve_client_key=client_key, connect_timeout_s=connect_s,
+                           max_retries=max_retries)
 
     def _call(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
@@ -254,18 +431,15 @@ class Client:
     def last_result(self) -> Result | None:
         return self._async.last_result
 
-    def generate(self, prompt: str | list[int], **kw) -> Iterator[Chunk]:
-        agen = self._async.generate(prompt, **kw)
-        try:
-            while True:
-                try:
-                    yield self._call(agen.__anext__())
-                except StopAsyncIteration:
-                    return
-        finally:
-            self._call(agen.aclose())
+    @property
+    def max_retries(self) -> int:
+        return self._async.max_retries
 
-    def complete(self, prompt: str | list[int], **kw) -> Result:
+    def generate(self, prompt: str | list[int] | None = None, **kw) -> Stream:
+        """As AsyncClient.generate, as a synchronous iterator."""
+        return Stream(self, self._async.generate(prompt, **kw))
+
+    def complete(self, prompt: str | list[int] | None = None, **kw) -> Result:
         return self._call(self._async.complete(prompt, **kw))
 
     def close(self) -> None:
@@ -281,4 +455,5 @@ class Client:
         self.close()
 
 
-__all__ = ["Client", "AsyncClient", "Chunk", "Result", "Stats", "TandemError", "DEFAULT_ENDPOINT"]
+__all__ = ["Client", "AsyncClient", "Stream", "AsyncStream", "Chunk", "Result", "Stats",
+           "TandemError", "DEFAULT_ENDPOINT", "retry_delay"]

@@ -31,6 +31,7 @@ from tests.conftest import PROMPTS
 
 MODEL = "tandem"
 QUOTA = 1000   # the dispatcher's --client-max-tokens: prompt + max_tokens in flight per client
+KEY_A, KEY_B, KEY_C = "sk-alpha-0123456789", "sk-bravo-0123456789", "sk-charlie-0123456789"
 
 
 def _gateway(dispatcher: str, logdir: Path, name: str, *extra: str) -> tuple[subprocess.Popen, str]:
@@ -70,13 +71,19 @@ def stack(model_paths, tmp_path_factory):
                         "--max-messages", "8", "--max-prompt-tokens", "512")
     dead, dead_base = _gateway(f"tcp://127.0.0.1:{free_port()}", logdir, "api-dead",
                                "--connect-timeout-s", "0.5")
+    keys_file = logdir / "keys.txt"
+    keys_file.write_text(f"# from a file\n{KEY_C}\n")
+    keyed, keyed_base = _gateway(c.endpoint("dispatcher"), logdir, "api-keyed",
+                                 "--api-key", KEY_A, "--api-key", KEY_B,
+                                 "--api-keys-file", str(keys_file))
     try:
         c.wait_ready(timeout=240)
         _wait_http(gw, base, logdir / "api.log")
         _wait_http(dead, dead_base, logdir / "api-dead.log")
-        yield {"base": base, "dead": dead_base, "cluster": c}
+        _wait_http(keyed, keyed_base, logdir / "api-keyed.log")
+        yield {"base": base, "dead": dead_base, "keyed": keyed_base, "cluster": c}
     finally:
-        for p in (gw, dead):
+        for p in (gw, dead, keyed):
             p.terminate()
             try:
                 p.wait(10)
@@ -424,3 +431,138 @@ def test_poisoned_numbers_are_refused_naming_them_and_the_gateway_serves_on(
     ids = tokenizer.encode(PROMPTS["code"])
     r = client.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0)
     assert r.choices[0].text == greedy_text(tokenizer, reference, ids, 4)[0]
+
+
+def test_sdk_messages_render_as_the_gateway_does(stack, client, tokenizer, reference):
+    """The SDK's `messages=` goes through the dispatcher's chat template (common/chat.py, the
+    gateway's code too): the same prompt ids, transformers' greedy continuation."""
+    from tandem import Client
+    ids = chat_ids(tokenizer, CONVERSATION)
+    want = list(reference(ids, 8))
+    with Client(stack["cluster"].endpoint("dispatcher")) as c:
+        r = c.complete(messages=CONVERSATION, max_tokens=8, stop_at_eos=False)
+    assert r.token_ids == want
+    http = client.chat.completions.create(model=MODEL, messages=CONVERSATION, max_tokens=8,
+                                          temperature=0, extra_body={"ignore_eos": True})
+    assert http.choices[0].message.content == r.text
+    assert http.usage.prompt_tokens == len(ids)
+
+
+# --- API keys -----------------------------------------------------------------------------------
+
+def test_api_keys_401_without_a_valid_key(stack):
+    base = stack["keyed"]
+    for headers in ({}, {"Authorization": "Bearer sk-not-a-key-123"},
+                    {"Authorization": KEY_A}):   # no "Bearer"
+        r = httpx.get(base + "/v1/models", headers=headers, timeout=10)
+        err = _error(r, 401)
+        assert err["code"] in ("missing_api_key", "invalid_api_key")
+        assert "WWW-Authenticate" in r.headers
+        r = _post(base, "chat/completions", headers=headers,
+                  json={"model": MODEL, "messages": CONVERSATION, "max_tokens": 2})
+        _error(r, 401)
+    for path in ("/healthz", "/readyz", "/metrics"):   # probes and scrapes need no key
+        assert httpx.get(base + path, timeout=10).status_code == 200
+    with openai.OpenAI(base_url=base + "/v1", api_key="sk-wrong-0123", max_retries=0) as c:
+        with pytest.raises(openai.AuthenticationError):
+            c.models.list()
+
+
+@pytest.mark.parametrize("key", [KEY_A, KEY_B, KEY_C])
+def test_api_keys_from_flags_and_file_are_served_exactly(stack, tokenizer, reference, key):
+    ids = tokenizer.encode(PROMPTS["code"])
+    with openai.OpenAI(base_url=stack["keyed"] + "/v1", api_key=key, max_retries=0,
+                       timeout=120) as c:
+        assert [m.id for m in c.models.list().data] == [MODEL]
+        r = c.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0)
+    assert r.choices[0].text == greedy_text(tokenizer, reference, ids, 6)[0]
+
+
+def test_each_api_key_is_one_client_for_the_dispatchers_limits(stack):
+    """Key A's stream holds most of the per-client token quota: A's next request is busy (429),
+    B's is served (another client); the open gateway's requests are yet another client."""
+    base = stack["keyed"]
+    auth_a, auth_b = ({"Authorization": f"Bearer {k}"} for k in (KEY_A, KEY_B))
+    body = {"model": MODEL, "prompt": PROMPTS["plain"], "max_tokens": QUOTA - 100,
+            "temperature": 0, "stream": True, "ignore_eos": True}
+    small = {"model": MODEL, "prompt": "a", "max_tokens": 200, "temperature": 0}
+    with httpx.Client(timeout=60) as h:
+        with h.stream("POST", base + "/v1/completions", json=body, headers=auth_a) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            while not next(lines).startswith("data: "):
+                pass
+            busy = _post(base, "completions", json=small, headers=auth_a)
+            assert _error(busy, 429)["type"] == "rate_limit_error"
+            ok = _post(base, "completions", json={**small, "max_tokens": 3}, headers=auth_b)
+            assert ok.status_code == 200, ok.text
+            ok = _post(stack["base"], "completions", json={**small, "max_tokens": 3})
+            assert ok.status_code == 200, ok.text
+    end = time.monotonic() + 15
+    while _dispatcher_sessions(stack) != 0:
+        assert time.monotonic() < end, "the dispatcher still holds the abandoned request"
+        time.sleep(0.1)
+    r = _post(base, "completions", json={**small, "max_tokens": 2}, headers=auth_a)
+    assert r.status_code == 200, r.text
+
+
+# --- load -----------------------------------------------------------------------------------------
+
+CONCURRENT = 64
+
+
+def test_64_concurrent_streaming_clients_served_or_429_no_token_lost(stack, tokenizer,
+                                                                     reference):
+    """64 streaming chat clients at once through one gateway (one client at the dispatcher, so
+    its per-client token quota turns some away): each is either served exactly — its streamed
+    text equals transformers' greedy text, usage counting every token — or answered 429. No
+    other outcome."""
+    n = 12
+    convs = [[{"role": "user", "content": f"{p} ({i})"}] for i, p in
+             enumerate(PROMPTS.values())]
+    want = []
+    for conv in convs:
+        ids = chat_ids(tokenizer, conv)
+        want.append(greedy_text(tokenizer, reference, ids, n))
+
+    async def one(c: openai.AsyncOpenAI, k: int):
+        conv = convs[k % len(convs)]
+        try:
+            stream = await c.chat.completions.create(
+                model=MODEL, messages=conv, max_tokens=n, temperature=0, stream=True,
+                stream_options={"include_usage": True})
+            text, usage = "", None
+            async for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    text += chunk.choices[0].delta.content
+                if chunk.usage is not None:
+                    usage = chunk.usage
+            return "served", k, text, usage
+        except openai.RateLimitError:
+            return "429", k, None, None
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=stack["base"] + "/v1", api_key="unused",
+                                      max_retries=0, timeout=300) as c:
+            t0 = time.monotonic()
+            out = await asyncio.gather(*(one(c, k) for k in range(CONCURRENT)),
+                                       return_exceptions=True)
+            return out, time.monotonic() - t0
+
+    out, wall = asyncio.run(main())
+    errors = [o for o in out if isinstance(o, BaseException)]
+    assert not errors, errors[:3]
+    served = [o for o in out if o[0] == "served"]
+    refused = [o for o in out if o[0] == "429"]
+    assert len(served) + len(refused) == CONCURRENT
+    assert served, "not one client was served"
+    for _, k, text, usage in served:
+        text_want, count_want = want[k % len(convs)]
+        assert text == text_want, (k, text, text_want)
+        assert usage.completion_tokens == count_want
+    print(f"\n{CONCURRENT} concurrent streaming clients: {len(served)} served exactly, "
+          f"{len(refused)} answered 429, 0 other errors, in {wall:.1f} s")
+    end = time.monotonic() + 15
+    while _dispatcher_sessions(stack) != 0:
+        assert time.monotonic() < end
+        time.sleep(0.1)

@@ -71,7 +71,7 @@ def test_bench_split_quick(tmp_path):
 def test_bench_overhead_quick(tmp_path):
     doc = bench(tmp_path, "overhead")
     kinds = {r.get("kind") for r in doc["results"]}
-    assert "transport" in kinds
+    assert {"transport", "e2e", "gateway_vs_sdk"} <= kinds
 
 
 def test_bench_defaults_quick(tmp_path):

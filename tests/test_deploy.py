@@ -76,11 +76,11 @@ def metric_catalog() -> dict[str, MetricFamily]:
     """
     import prometheus_client  # noqa: PLC0415
 
-    metrics = importlib.import_module("common.metrics")
     labels_of = {}
-    for obj in vars(metrics).values():
-        if isinstance(obj, prometheus_client.metrics.MetricWrapperBase):
-            labels_of[obj._name] = frozenset(obj._labelnames)
+    for module in ("common.metrics", "api.metrics"):   # the services' and the API gateway's
+        for obj in vars(importlib.import_module(module)).values():
+            if isinstance(obj, prometheus_client.metrics.MetricWrapperBase):
+                labels_of[obj._name] = frozenset(obj._labelnames)
     catalog: dict[str, MetricFamily] = {}
     for family in prometheus_client.REGISTRY.collect():
         if not family.name.startswith("tandem_"):
@@ -308,6 +308,7 @@ def test_prometheus_scrapes_every_service():
                for t in sc["targets"]}
     for service, (_, http) in SERVICES.items():
         assert f"{service}:{http}" in targets, f"{service} is not scraped"
+    assert "api:8000" in targets, "the API gateway is not scraped"
     for job in prom["scrape_configs"]:
         for sc in job.get("static_configs", []):
             assert "service" not in sc.get("labels", {}), (
@@ -353,6 +354,7 @@ _SYNTHETIC_EXPORTER = textwrap.dedent("""
     import random, sys, time
     from prometheus_client import start_http_server
     from common import metrics as m
+    from api import metrics as api
     start_http_server(int(sys.argv[1]), addr="127.0.0.1")
     services = ("dispatcher", "verifier", "drafter", "prefix", "suffix")
     for s in services:
@@ -408,6 +410,11 @@ _SYNTHETIC_EXPORTER = textwrap.dedent("""
             m.QUEUE_TIME.labels(s).observe(random.uniform(0, 0.01))
         for peer in ("verifier", "suffix"):
             m.LINK_RTT.labels(d, peer).observe(random.uniform(0.02, 0.1))
+        for route in ("/v1/completions", "/v1/chat/completions"):
+            api.REQUESTS.labels(route, "200").inc()
+            api.REQUESTS.labels(route, "429").inc(0.1)
+            api.TTFT.labels(route, "spec").observe(random.uniform(0.01, 0.5))
+            api.TPT.labels(route, "spec").observe(random.uniform(0.01, 0.1))
         time.sleep(0.1)
 """)
 

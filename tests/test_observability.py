@@ -32,7 +32,7 @@ pytestmark = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def stack(model_paths, tmp_path_factory):
     with obs.observed_stack(tmp_path_factory.mktemp("observability")) as s:
-        report = traffic.drive_traffic(s.dispatcher, rounds=1, max_tokens=12)
+        report = traffic.drive_traffic(s.dispatcher, rounds=1, max_tokens=12, api=s.api)
         assert not report.failures, report.failures
         assert report.invalid_rejected == 1
         s.traffic = report

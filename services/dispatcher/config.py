@@ -80,3 +80,6 @@ class DispatcherConfig(ServiceConfig):
         0, "requests one client may have in flight (busy beyond); 0 = no limit", ge=0)
     client_max_tokens: int = setting(
         0, "prompt + max_tokens one client may have in flight; 0 = no limit", ge=0)
+    client_delegates: str = setting(
+        "", "comma-separated NAME.key files of CURVE clients (API gateways) that may send requests "
+            "for their own end clients (GenerateRequest.client)")

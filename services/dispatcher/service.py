@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from common import metrics, protocol, security
+from common import chat, metrics, protocol, security
 from common.protocol import ProtocolError
 from common.runtime import PeerError, Service
 from services.dispatcher import recovery
@@ -37,6 +37,7 @@ class Dispatcher(Service):
         self.suffixes = recovery.replicas(self, "suffix", cfg.suffix)
         self.suffix = self.suffixes[0]
         self.quota = security.ClientQuota(cfg.client_max_sessions, cfg.client_max_tokens)
+        self.delegates: frozenset[str] = frozenset()   # gateways' keys (setup)
         self.modes: dict[str, Mode] = make_modes(cfg)
         self.route(protocol.GenerateRequest, self.on_generate)
         self.route(protocol.Cancel, self.on_cancel)
@@ -46,6 +47,7 @@ class Dispatcher(Service):
 
         from common import models  # noqa: PLC0415
 
+        self.delegates = security.load_delegates(self.cfg.client_delegates)
         path = models.resolve_target(self.cfg.target)
         self.tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(path))
         self.eos_token_id = self.tokenizer.eos_token_id
@@ -55,17 +57,19 @@ class Dispatcher(Service):
 
     # --- client requests ----------------------------------------------------------------------
     def prompt_ids(self, msg: protocol.GenerateRequest) -> list[int]:
+        if msg.messages is not None and (msg.prompt or msg.token_ids is not None):
+            raise ProtocolError(protocol.BAD_FIELD, "messages: send a prompt, token_ids or "
+                                "messages, not more than one", field="messages")
         if msg.token_ids is not None:
             ids = list(msg.token_ids)
             bad = [t for t in ids if not 0 <= t < len(self.tokenizer)]
             if bad:
                 raise ProtocolError(protocol.BAD_FIELD, f"token ids outside the vocabulary: {bad[:5]}",
                                     field="token_ids")
+        elif msg.messages is not None:
+            ids = chat.render_ids(self.tokenizer, chat.normalize(msg.messages, len(msg.messages)))
         elif msg.chat:
-            ids = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": msg.prompt}], add_generation_prompt=True,
-                tokenize=True, return_dict=False)
-            ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+            ids = chat.render_ids(self.tokenizer, [{"role": "user", "content": msg.prompt}])
         else:
             ids = self.tokenizer.encode(msg.prompt)
         if not ids:
@@ -97,7 +101,7 @@ class Dispatcher(Service):
             raise ProtocolError(protocol.BUSY, f"{len(self.requests)} requests in flight")
         policy = self.modes[mode].policy(self, msg)
         req = Request(self, ident, msg, self.prompt_ids(msg), mode, policy)
-        req.client = security.client_id(ident, frames)
+        req.client = security.client_id(ident, frames, msg.client, self.delegates)
         req.quota = len(req.prompt_ids) + msg.max_tokens
         self.quota.admit(req.client, req.quota)       # per-client limits: busy / too_large
         self.requests[key] = req

@@ -1,0 +1,86 @@
+"""Chat messages -> prompt token ids through the target model's chat template.
+
+One implementation for every place a conversation enters Tandem: the OpenAI gateway
+(api/app.py, `POST /v1/chat/completions`) and the dispatcher (a GenerateRequest with `messages`,
+as the SDK's `generate(messages=...)` sends, or `chat=True` with a single user prompt). So the
+same conversation becomes the same token ids whichever way it came in.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Accepted roles -> the role the chat template sees ("developer" is OpenAI's newer "system").
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+class MessageError(ValueError):
+    """A message the template cannot take; `field` names it (e.g. "messages[2].role"), `code` is
+    a stable reason: missing | invalid_type | invalid_value | too_many | unsupported."""
+
+    def __init__(self, field: str, code: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field, self.code, self.message = field, code, message
+
+
+def _content_text(i: int, content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or \
+                    not isinstance(part.get("text"), str):
+                raise MessageError(f"messages[{i}].content", "unsupported",
+                                   "only text parts are supported")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise MessageError(f"messages[{i}].content", "invalid_type",
+                       f"expected a string or a list of text parts, got "
+                       f"{type(content).__name__} {content!r:.60}")
+
+
+def normalize(messages: Any, max_messages: int) -> list[dict]:
+    """Check a conversation and return it as [{"role", "content"}] with the template's roles.
+    Accepts dicts or objects with `role` / `content` attributes (the wire's ChatMessage)."""
+    if messages is None:
+        raise MessageError("messages", "missing", "required")
+    if not isinstance(messages, (list, tuple)):
+        raise MessageError("messages", "invalid_type", f"expected a list of messages, got "
+                           f"{type(messages).__name__}")
+    if not messages:
+        raise MessageError("messages", "invalid_value", "at least one message is required")
+    if len(messages) > max_messages:
+        raise MessageError("messages", "too_many", f"{len(messages)} messages is over the limit "
+                           f"of {max_messages}")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            if hasattr(m, "role") and hasattr(m, "content"):
+                m = {"role": m.role, "content": m.content}
+            else:
+                raise MessageError(f"messages[{i}]", "invalid_type",
+                                   f"expected an object, got {type(m).__name__} {m!r:.60}")
+        role = m.get("role")
+        if role not in ROLES:
+            if role in ("tool", "function"):
+                raise MessageError(f"messages[{i}].role", "unsupported",
+                                   f"{role!r} messages (tool calling) are not supported")
+            raise MessageError(f"messages[{i}].role", "invalid_value",
+                               f"expected system, developer, user or assistant, got {role!r:.60}")
+        if m.get("tool_calls"):
+            raise MessageError(f"messages[{i}].tool_calls", "unsupported",
+                               "tool calling is not supported")
+        content = m.get("content")
+        if content is None and role == "assistant":
+            content = ""
+        out.append({"role": ROLES[role], "content": _content_text(i, content)})
+    return out
+
+
+def render_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """The prompt's token ids: the conversation through the tokenizer's chat template, ending
+    with the assistant's turn opened (add_generation_prompt)."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                        return_dict=False)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
