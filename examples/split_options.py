@@ -1,5 +1,5 @@
 """Split mode (DySCo): the edge runs decoder layers [0, cut), the cloud the rest. `cut` picks
-the layer per request (0 = the dispatcher's default_cut); the stats say where the time went.
+the layer per request (0 = the dispatcher's split_cut); the stats say where the time went.
 
     python examples/split_options.py [tcp://127.0.0.1:5550]
 """
