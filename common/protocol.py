@@ -172,6 +172,11 @@ class GenerateRequest(Msg, tag="generate"):
     nav_thresholds: Annotated[list[Threshold], msgspec.Meta(min_length=2, max_length=2)] | None = None
     # ^ spec mode: fixed [R1, R2] for this request, the autotuner neither used nor fed (tuning
     #   benchmarks)
+    policy_knobs: Annotated[dict[str, Annotated[float, msgspec.Meta(gt=0.0, le=1024.0)]],
+                            msgspec.Meta(max_length=4)] | None = None
+    # ^ spec mode: this request's policy held at these knob values, the autotuner neither used nor
+    #   fed (tuning every policy alike in benchmarks): "n" vanilla's draft length, "r1"/"r2" the
+    #   pipesd/HSL/EdgeLLM thresholds, "c" EdgeLLM's constant; spec_mode.POLICY_KNOBS lists them
 
 
 class Cancel(Msg, tag="cancel"):

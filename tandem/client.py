@@ -151,7 +151,8 @@ class AsyncClient:
                        cut: int = 0, chat: bool = False, deadline_s: float | None = None,
                        stop_at_eos: bool = True,
                        allow_edge_only: bool = False,
-                       nav_thresholds: tuple[float, float] | None = None) -> AsyncIterator[Chunk]:
+                       nav_thresholds: tuple[float, float] | None = None,
+                       policy_knobs: dict[str, float] | None = None) -> AsyncIterator[Chunk]:
         """Stream a generation. On normal end `self.last_result` holds the whole result."""
         if self._reader is None:
             self._reader = asyncio.get_running_loop().create_task(self._read())
@@ -166,7 +167,9 @@ class AsyncClient:
             sampling=protocol.Sampling(temperature=temperature, top_k=top_k, top_p=top_p,
                                        seed=seed),
             deadline_s=deadline, allow_edge_only=allow_edge_only,
-            nav_thresholds=None if nav_thresholds is None else [float(r) for r in nav_thresholds])
+            nav_thresholds=None if nav_thresholds is None else [float(r) for r in nav_thresholds],
+            policy_knobs=None if policy_knobs is None else {str(k): float(v)
+                                                            for k, v in policy_knobs.items()})
         try:   # the wire's own rules, before anything leaves: NaN, inf, out-of-range values
             protocol.check(msg)
         except protocol.ProtocolError as e:
