@@ -97,6 +97,8 @@ def table(rows: list[dict], cols: list[tuple[str, str]]) -> str:
 
 
 def _fmt(v) -> str:
+    if isinstance(v, (list, tuple)) and v and all(isinstance(x, float) for x in v):
+        return "[" + ", ".join(_fmt(x) for x in v) + "]"   # an interval
     if isinstance(v, float):
         return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
     return "" if v is None else str(v)

@@ -101,6 +101,20 @@ def spec_workload_section(doc: dict, name: str) -> str:
     if goals:
         lines += ["", "Goals (issue #13):", ""]
         lines.append(_md_table(goals, ["goal", "target", "this run", "status"]))
+    energy = [r for r in rows if r.get("edge_cpu_s_per_token") is not None and not sweep]
+    if energy:
+        base = next((r for r in energy if r["policy"] == energy[0].get("best_baseline")), None)
+        lines += ["", "Energy, as PipeSD compares it (per generated token, relative to the best "
+                      "tuned baseline), with CPU-seconds as the proxy — "
+                      f"{doc.get('energy') or 'no power reading'}:", ""]
+        lines.append(_md_table([[r["policy"], r["edge_cpu_s_per_token"] * 1000,
+                                 r["cloud_s_per_token"] * 1000,
+                                 (r["edge_cpu_s_per_token"] + r["cloud_s_per_token"]) * 1000,
+                                 f"{100 * (r['edge_cpu_s_per_token'] / base['edge_cpu_s_per_token'] - 1):+.0f} %"
+                                 if base and base["edge_cpu_s_per_token"] else "n/a",
+                                 r.get("joules_per_token")] for r in energy],
+                               ["policy", "edge CPU ms / token", "cloud CPU ms / token",
+                                "total CPU ms / token", "edge vs best baseline", "J / token"]))
     b = doc.get("bound") or {}
     if b:
         lines += ["", f"Clairvoyant bound (bench/bound.py): link RTT {b.get('rtt_s', 0) * 1000:.1f}"

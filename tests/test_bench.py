@@ -64,7 +64,10 @@ def test_bench_spec_quick(tmp_path):
         lo, hi = r["ci95"]
         assert lo <= r["tpt_ms"] <= hi
         assert r["tpt_over_bound"] >= 1.0 and r["bound_violations"] == 0, r
-        assert r["cloud_s_per_token"] > 0 and r["edge_cpu_s_per_token"] > 0
+        # /proc counts CPU time in 10 ms ticks: cloud-only's dispatcher may stay under one
+        assert r["cloud_s_per_token"] > 0 and r["edge_cpu_s_per_token"] >= 0
+        if r["policy"] != "cloud-only":
+            assert r["edge_cpu_s_per_token"] > 0   # the drafter works
         knobs = r["tuned_params"]["knobs"]
         if r["policy"] in ("cloud-only", "oracle-trigger"):
             assert knobs is None

@@ -4,11 +4,13 @@ logits processors (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, 
 order) — not the one common/sampling.py computes.
 
 For cloud-only, speculative (pipesd and the vanilla baseline) and split mode, at temperature 0.8
-with and without top-k / top-p: N seeded requests (TANDEM_SAMPLING_DRAWS, default 2000) of two
-tokens each. Position 0 is compared unconditionally; position 1 — in spec mode the first
-position a draft is verified at — given the most frequent first token. A chi-square test over
-the tokens with an expected count of at least 5 (the rest pooled) must not reject at p < 1e-4;
-a token transformers gives probability 0 must never be drawn. Slow: minutes per mode."""
+with and without top-k / top-p, N seeded requests each (TANDEM_SAMPLING_DRAWS, default 2000):
+* position 0 of a prompt with a flat next-token distribution (17 tokens over 1 %), and
+* position 1 — in spec mode the first position a draft is verified at — of a prompt whose first
+  token is near-certain (" Celsius", 97-100 %), given that first token (8 tokens over 1 %).
+A chi-square test over the tokens with an expected count of at least 5 (the rest pooled) must
+not reject at p < 1e-4; a token transformers gives probability 0 must never be drawn. Slow:
+minutes per mode."""
 
 from __future__ import annotations
 
@@ -26,9 +28,10 @@ from tandem import AsyncClient
 pytestmark = pytest.mark.slow
 
 DRAWS = int(os.environ.get("TANDEM_SAMPLING_DRAWS", "2000"))
-PROMPT = "The capital of France is"
+FLAT_PROMPT = "My favourite fruit is"            # position 0: many likely tokens
+SURE_PROMPT = "Water boils at 100 degrees"       # position 0 near-certain, position 1 spread
 TEMPERATURE = 0.8
-CONFIGS = {"t0.8": {}, "t0.8-topk20-topp0.9": {"top_k": 20, "top_p": 0.9}}
+CONFIGS = {"t0.8": {}, "t0.8-topk20-topp0.95": {"top_k": 20, "top_p": 0.95}}
 MODES = {"cloud-only": {"mode": "cloud-only"},
          "spec-pipesd": {"mode": "spec", "policy": "pipesd"},
          "spec-vanilla": {"mode": "spec", "policy": "vanilla"},
@@ -88,17 +91,20 @@ def chi_square(counts: Counter, probs: np.ndarray) -> tuple[float, str]:
         i = int(np.argmax(exp))
         obs[i] += rest_obs
         exp[i] += rest_exp
+    if len(obs) < 2:            # a point mass, and every draw in its support (checked above)
+        return 1.0, f"one bin, n = {n}"
     res = chisquare(obs, np.asarray(exp) * (sum(obs) / sum(exp)))
     return float(res.pvalue), f"{len(obs)} bins, n = {n}, chi2 = {res.statistic:.1f}"
 
 
-async def draws(endpoint: str, ids: list[int], mode: dict, config: dict) -> list[list[int]]:
+async def draws(endpoint: str, ids: list[int], n_tokens: int, mode: dict,
+                config: dict) -> list[list[int]]:
     async with AsyncClient(endpoint, timeout_s=600) as c:
         sem = asyncio.Semaphore(CONCURRENCY)
 
         async def one(seed):
             async with sem:
-                r = await c.complete(ids, max_tokens=2, stop_at_eos=False,
+                r = await c.complete(ids, max_tokens=n_tokens, stop_at_eos=False,
                                      temperature=TEMPERATURE, seed=seed, **config, **mode)
                 return list(r.token_ids)
         return await asyncio.gather(*[one(s) for s in range(DRAWS)])
@@ -107,17 +113,20 @@ async def draws(endpoint: str, ids: list[int], mode: dict, config: dict) -> list
 @pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("mode", list(MODES))
 def test_draws_follow_transformers(cluster, tokenizer, hf_model, mode, config):
-    ids = tokenizer.encode(PROMPT)
-    out = asyncio.run(draws(cluster.endpoint("dispatcher"), ids, MODES[mode], CONFIGS[config]))
-    assert all(len(o) == 2 for o in out)
     kw = {"top_k": CONFIGS[config].get("top_k", 0), "top_p": CONFIGS[config].get("top_p", 1.0)}
-    first = Counter(o[0] for o in out)
-    p0, what0 = chi_square(first, transformers_probs(hf_model, ids, **kw))
-    t0, n0 = first.most_common(1)[0]
+    endpoint = cluster.endpoint("dispatcher")
+    flat = tokenizer.encode(FLAT_PROMPT)
+    out = asyncio.run(draws(endpoint, flat, 1, MODES[mode], CONFIGS[config]))
+    assert all(len(o) == 1 for o in out)
+    p0, what0 = chi_square(Counter(o[0] for o in out), transformers_probs(hf_model, flat, **kw))
+    sure = tokenizer.encode(SURE_PROMPT)
+    out = asyncio.run(draws(endpoint, sure, 2, MODES[mode], CONFIGS[config]))
+    assert all(len(o) == 2 for o in out)
+    t0, n0 = Counter(o[0] for o in out).most_common(1)[0]
     second = Counter(o[1] for o in out if o[0] == t0)
-    p1, what1 = chi_square(second, transformers_probs(hf_model, ids + [t0], **kw))
+    p1, what1 = chi_square(second, transformers_probs(hf_model, sure + [t0], **kw))
     print(f"{mode} {config}: position 0 p = {p0:.3g} ({what0}); position 1 given "
           f"{tokenizer.decode([t0])!r} p = {p1:.3g} ({what1})")
     assert p0 >= P_MIN, f"position 0: {what0}, p = {p0:.3g}"
-    assert n0 >= 200, f"the modal first token came {n0} times: too few to test position 1"
+    assert n0 >= 0.9 * DRAWS, f"the first token {t0} came {n0} times of {DRAWS}"
     assert p1 >= P_MIN, f"position 1: {what1}, p = {p1:.3g}"
