@@ -14,6 +14,7 @@ from pathlib import Path
 
 from bench.plots import plot, split_rows
 from bench.report import BASELINES, best_baseline, paired_ratio
+from bench.stats import ratio_ci
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "results"
@@ -264,17 +265,19 @@ def split_section(doc: dict, name: str) -> str:
             base = by.get((cond, "dsb"))
             if s != "cascade" or base is None or len(r["trials"]) != len(base["trials"]):
                 continue
-            tp = paired_ratio([t["throughput"] for t in r["trials"]],
-                              [t["throughput"] for t in base["trials"]])
+            a_tp = [t["throughput"] for t in r["trials"]]
+            b_tp = [t["throughput"] for t in base["trials"]]
+            tp = paired_ratio(a_tp, b_tp)
             lat = paired_ratio([t["latency"] for t in r["trials"]],
                                [t["latency"] for t in base["trials"]])
-            paired.append([section.get("section"), cond, tp["n"], tp["mean_ratio"], tp["t"],
-                           tp["wins"], lat["mean_ratio"], lat["n"] - lat["wins"]])
+            paired.append([section.get("section"), cond, tp["n"], tp["mean_ratio"],
+                           _ci(ratio_ci(a_tp, b_tp)), tp["wins"], lat["mean_ratio"],
+                           lat["n"] - lat["wins"]])
     if paired:
         lines += ["", "cascade against dsb trial by trial (each trial's arrivals and prompts are "
                       "the same for both schedulers):", ""]
         lines.append(_md_table(paired, ["section", "condition", "trials", "throughput ratio",
-                                        "paired t", "trials won", "latency ratio",
+                                        "95 % CI (ratio of means)", "trials won", "latency ratio",
                                         "trials with lower latency"]))
     goals = doc.get("goals") or {}
     if goals:
@@ -299,17 +302,25 @@ def tuner_section(doc: dict, name: str) -> str:
              "TPT re-measured at each search's chosen (R1, R2), interleaved, "
              f"{doc.get('repeats')} times over the prompts; `default` is the untuned (0.90, 0.94).",
              ""]
+    grid = next((r for r in doc["results"] if r["search"] == "grid"), None)
+
+    def ci(r):   # re-measurements are interleaved rep by rep: paired with grid's by rep
+        a, b = r.get("tpt_ms_runs"), (grid or {}).get("tpt_ms_runs")
+        if r is grid or not a or not b or len(a) != len(b):
+            return None
+        return ratio_ci(a, b)
     lines.append(_md_table([[r["search"], r.get("best_r1"), r.get("best_r2"),
                              r.get("best_tpt_ms_in_search"), r.get("tpt_ms"),
-                             r.get("tpt_ms_spread"), r.get("vs_grid"), r.get("welch_t_vs_grid"),
+                             r.get("tpt_ms_spread"), r.get("vs_grid"), _ci(ci(r)),
                              r.get("identical_to_reference")] for r in doc["results"]],
                            ["search", "R1", "R2", "best in search ms", "re-measured TPT ms",
-                            "spread ms (IQR)", "vs grid", "Welch t vs grid", "identical"]))
+                            "spread ms (IQR)", "vs grid", "95 % CI (mean ratio, paired)",
+                            "identical"]))
     bo = next((r for r in doc["results"] if r["search"] == "bo"), None)
     if bo is not None:
         lines += ["", f"Goal (issue #3): BO within 10 % of the best grid point after "
                       f"{doc.get('budget')} samples — this run: BO/grid = {_f(bo.get('vs_grid'))} "
-                      f"(Welch t {_f(bo.get('welch_t_vs_grid'))})."]
+                      f"(mean ratio's 95 % CI {_ci(ci(bo))})."]
     return "\n".join(lines)
 
 
