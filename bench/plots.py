@@ -12,7 +12,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 
 def _spec(doc: dict, ax) -> None:
-    rows = [r for r in doc["results"] if "tpt_ms" in r and r.get("policy")]
+    rows = [r for r in doc["results"] if "tpt_ms" in r and r.get("policy")
+            and r.get("kind") != "load"]
     if any(r.get("uplink_mbit") for r in rows):   # a bandwidth sweep: TPT against uplink
         by_policy = defaultdict(list)
         for r in rows:
@@ -30,10 +31,14 @@ def _spec(doc: dict, ax) -> None:
         return
     labels = [r["policy"] + (f"\n{r['drafter']}" if r.get("drafter") else "") for r in rows]
     vals = [r["tpt_ms"] for r in rows]
-    err = [r.get("tpt_ms_spread", 0) or 0 for r in rows]
-    ax.bar(range(len(rows)), vals, yerr=[e / 2 for e in err], capsize=3, color="#4c72b0")
+    if all(r.get("ci95") for r in rows):   # 95 % bootstrap interval of the mean
+        err = [[max(0.0, v - r["ci95"][0]) for v, r in zip(vals, rows)],
+               [max(0.0, r["ci95"][1] - v) for v, r in zip(vals, rows)]]
+    else:                                   # older runs: half the IQR
+        err = [(r.get("tpt_ms_spread", 0) or 0) / 2 for r in rows]
+    ax.bar(range(len(rows)), vals, yerr=err, capsize=3, color="#4c72b0")
     ax.set_xticks(range(len(rows)), labels, rotation=45, ha="right", fontsize=8)
-    ax.set_ylabel("time per accepted token (ms, median; bar = spread)")
+    ax.set_ylabel("time per token (ms; bar = 95 % CI, or IQR in older runs)")
     ax.set_title(f"spec — scenario {doc.get('scenario')}")
 
 

@@ -214,6 +214,12 @@ class FleetResult:
         return sum(s.tokens - 1 for s in self.sessions) / span if span > 0 else 0.0
 
     @property
+    def achieved_concurrency(self) -> float:
+        """Sessions in the system on average over the fleet's wall time (each from its arrival to
+        its last token): the load actually reached, beside the nominal N."""
+        return sum(s.latency for s in self.sessions) / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
     def mismatches(self) -> int:
         return sum(s.mismatches for s in self.sessions)
 

@@ -69,7 +69,7 @@ def paired_ratio(a: list[float], b: list[float]) -> dict:
 
 def write_json(path: str | None, bench: str, scenario: str, results: list[dict], **extra) -> dict:
     doc = {"bench": bench, "scenario": scenario, "machine": machine(),
-           "command": "python -m " + " ".join([_module_name(), *sys.argv[1:]]),
+           "command": _command(),
            "results": results, **extra}
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -77,10 +77,14 @@ def write_json(path: str | None, bench: str, scenario: str, results: list[dict],
     return doc
 
 
-def _module_name() -> str:
+def _command() -> str:
+    """The command line that ran: `python -m MODULE ...`, or `tandem ...` from the console
+    script."""
     main = sys.modules.get("__main__")
     spec = getattr(main, "__spec__", None)
-    return spec.name if spec is not None else Path(sys.argv[0]).name
+    if spec is not None:
+        return " ".join(["python -m", spec.name, *sys.argv[1:]])
+    return " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])
 
 
 def table(rows: list[dict], cols: list[tuple[str, str]]) -> str:
@@ -93,6 +97,8 @@ def table(rows: list[dict], cols: list[tuple[str, str]]) -> str:
 
 
 def _fmt(v) -> str:
+    if isinstance(v, (list, tuple)) and v and all(isinstance(x, float) for x in v):
+        return "[" + ", ".join(_fmt(x) for x in v) + "]"   # an interval
     if isinstance(v, float):
         return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
     return "" if v is None else str(v)
@@ -110,8 +116,8 @@ def best_baseline(by: dict[str, dict], key: str = "tpt_ms") -> str | None:
 
 
 def headroom(rows: list[dict], key: str = "tpt_ms") -> list[str]:
-    """How much any NAV trigger could gain on this link and pair: the oracle's TPT (it verifies
-    exactly at the first rejected draft, so no trigger wastes less drafting or fewer rounds)
+    """How much a better NAV trigger could gain on this link and pair: oracle-trigger's TPT (it
+    verifies exactly at the first rejected draft; a policy, not a bound: see bench/bound.py)
     against the best baseline's, next to what pipesd, pipesd-stream and the best fixed-threshold
     pipesd of a `bench spec --grid` run ("pipesd@R1:R2" rows) gained. `key`: "tpt_ms" (medians) or
     "tpt_ms_workload" (all time / all tokens)."""
@@ -123,9 +129,9 @@ def headroom(rows: list[dict], key: str = "tpt_ms") -> list[str]:
     out = [f"best baseline by {key}: {best}, {base:.1f} ms"]
     fixed = [p for p in by if "@" in p]
     top = min(fixed, key=lambda p: by[p][key]) if fixed else None
-    for p in ("oracle", "pipesd", "pipesd-stream", top):
+    for p in ("oracle-trigger", "pipesd", "pipesd-stream", top):
         if p in by:
-            what = {"oracle": "a perfect trigger", top: f"the best of {len(fixed)} fixed (R1, R2)"}
+            what = {"oracle-trigger": "a perfect trigger", top: f"the best of {len(fixed)} fixed (R1, R2)"}
             out.append(f"best baseline / {p}: {base / by[p][key]:.3f}x"
                        + (f"  ({what[p]})" if p in what else ""))
     return out

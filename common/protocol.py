@@ -178,6 +178,11 @@ class GenerateRequest(Msg, tag="generate"):
     client: Annotated[str, msgspec.Meta(max_length=128)] = ""
     # ^ the end client a gateway sends this request for (an API key's identity): the dispatcher's
     #   per-client limits count it as "<sender>/<client>" (common/security.client_id)
+    policy_knobs: Annotated[dict[str, Annotated[float, msgspec.Meta(gt=0.0, le=1024.0)]],
+                            msgspec.Meta(max_length=4)] | None = None
+    # ^ spec mode: this request's policy held at these knob values, the autotuner neither used nor
+    #   fed (tuning every policy alike in benchmarks): "n" vanilla's draft length, "r1"/"r2" the
+    #   pipesd/HSL/EdgeLLM thresholds, "c" EdgeLLM's constant; spec_mode.POLICY_KNOBS lists them
 
 
 class Cancel(Msg, tag="cancel"):

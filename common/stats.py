@@ -45,7 +45,7 @@ class Stats(Mapping):
     mode: str = ""
     """The mode that served the request: "spec", "split" or "cloud-only"."""
     policy: str = ""
-    """Speculative policy (pipesd, pipesd-stream, vanilla, hsl, edgellm, oracle); the mode's
+    """Speculative policy (pipesd, pipesd-stream, vanilla, hsl, edgellm, oracle-trigger); the mode's
     name in the other modes."""
     prompt_tokens: int = 0
     """Prompt length in tokens (after the chat template, when `chat=True`)."""

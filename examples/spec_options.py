@@ -1,7 +1,7 @@
 """Speculative mode (PipeSD): the edge's draft model proposes tokens, the cloud's target
 verifies them in one pass. Output is exactly the target's; the options change only speed.
 
-    policy          pipesd (default) | pipesd-stream | vanilla | hsl | edgellm | oracle
+    policy          pipesd (default) | pipesd-stream | vanilla | hsl | edgellm | oracle-trigger
     nav_thresholds  (R1, R2) of the dual-threshold verification trigger for this request,
                     each in (0, 1] (default: the dispatcher's, tuned by Bayesian optimisation)
     allow_edge_only keep drafting on the edge alone while the cloud is unreachable; those

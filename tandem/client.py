@@ -237,17 +237,19 @@ class AsyncClient:
                  cut: int = 0, chat: bool = False, deadline_s: float | None = None,
                  stop_at_eos: bool = True, allow_edge_only: bool = False,
                  nav_thresholds: tuple[float, float] | None = None, end_client: str = "",
+                 policy_knobs: dict[str, float] | None = None,
                  max_retries: int | None = None) -> AsyncStream:
         """Stream a generation of `prompt` (text or token ids) or of `messages` (a conversation,
         [{"role", "content"}], through the target's chat template). `end_client`: the end client
         a gateway sends this for (the dispatcher's per-client limits count it separately).
+        `policy_knobs`: spec mode, hold the policy at these knob values (benchmarks' tuning).
         Returns an AsyncStream; its `result` (and `self.last_result`) holds the whole result
         once it ended normally."""
         args = dict(prompt=prompt, messages=messages, mode=mode, max_tokens=max_tokens,
                     temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, policy=policy,
                     cut=cut, chat=chat, deadline_s=deadline_s, stop_at_eos=stop_at_eos,
                     allow_edge_only=allow_edge_only, nav_thresholds=nav_thresholds,
-                    end_client=end_client)
+                    end_client=end_client, policy_knobs=policy_knobs)
         retries = self.max_retries if max_retries is None else _check_retries(max_retries)
         return AsyncStream(self, args, retries)
 
@@ -267,7 +269,9 @@ class AsyncClient:
                                        top_p=a["top_p"], seed=a["seed"]),
             deadline_s=deadline, allow_edge_only=a["allow_edge_only"],
             nav_thresholds=None if nav is None else [float(r) for r in nav],
-            client=a["end_client"])
+            client=a["end_client"],
+            policy_knobs=None if a["policy_knobs"] is None else {
+                str(k): float(v) for k, v in a["policy_knobs"].items()})
         try:   # the wire's own rules, before anything leaves: NaN, inf, out-of-range values
             protocol.check(msg)
         except protocol.ProtocolError as e:

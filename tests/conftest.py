@@ -14,15 +14,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import pytest
 import torch
 
+from bench.workloads import BUILTIN_PROMPTS
 from common import models
 
 NEAR_TIE = 1e-4   # DESIGN.md §5: a top-2 logit margin under this is a floating-point tie
 
-PROMPTS = {
-    "plain": "The history of the printing press begins",
-    "chat": "What are three good habits for writing clean Python code?",
-    "code": "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-}
+PROMPTS = BUILTIN_PROMPTS   # shipped in the package: `tandem bench` must not need tests/
 
 
 def long_prompt(tokenizer, n_tokens: int = 1100) -> list[int]:

@@ -13,7 +13,7 @@ from bench.bench_spec import fixed_policy, parse_policy
 # (median, workload) TPT in ms per policy; the best baseline is vanilla by median (36) and
 # edgellm by workload (38); the fixed-threshold rows are a `bench spec --grid` run's.
 TPT = {"vanilla": (36.0, 40.0), "hsl": (46.0, 47.0), "edgellm": (38.0, 38.0),
-       "oracle": (30.0, 32.0), "pipesd": (34.0, 35.0),
+       "oracle-trigger": (30.0, 32.0), "pipesd": (34.0, 35.0),
        "pipesd@0.15:0.4": (33.0, 34.0), "pipesd@0.5:0.8": (38.0, 33.0)}
 ROWS = [{"policy": p, "tpt_ms": m, "tpt_ms_workload": w} for p, (m, w) in TPT.items()]
 
@@ -21,7 +21,7 @@ ROWS = [{"policy": p, "tpt_ms": m, "tpt_ms_workload": w} for p, (m, w) in TPT.it
 def test_headroom_compares_each_policy_with_the_best_baseline_of_that_figure():
     by_median = report.headroom(ROWS)
     assert by_median[0] == "best baseline by tpt_ms: vanilla, 36.0 ms"
-    assert "best baseline / oracle: 1.200x  (a perfect trigger)" in by_median
+    assert "best baseline / oracle-trigger: 1.200x  (a perfect trigger)" in by_median
     assert "best baseline / pipesd: 1.059x" in by_median
     # the grid's best point by median is pipesd@0.15:0.4 (33 ms)
     assert "best baseline / pipesd@0.15:0.4: 1.091x  (the best of 2 fixed (R1, R2))" in by_median
@@ -37,7 +37,7 @@ def test_headroom_needs_all_three_baselines():
 
 def test_results_page_headroom_table():
     rows = results_page._headroom_rows(ROWS)
-    assert [r[0] for r in rows] == ["oracle", "pipesd",
+    assert [r[0] for r in rows] == ["oracle-trigger", "pipesd",
                                     "pipesd@0.5:0.8 (the grid's best fixed R1:R2 by workload)"]
     assert rows[0][1:] == pytest.approx([36 / 30, 38 / 32])
     assert rows[2][1:] == pytest.approx([36 / 38, 38 / 33])
@@ -68,3 +68,48 @@ def test_paired_ratio():
     assert r["t"] > 2.5
     one = report.paired_ratio([3.0], [2.0])
     assert one["mean_ratio"] == 1.5 and math.isnan(one["t"])
+
+
+def synthetic_runs():
+    """Per policy, 6 prompts' requests; pipesd 20 % faster than vanilla on every prompt."""
+    import random
+    rng = random.Random(0)
+    base = {f"P{i}": rng.uniform(30, 50) for i in range(6)}
+    speed = {"cloud-only": 0.7, "vanilla": 1.0, "hsl": 1.3, "edgellm": 1.1, "pipesd": 1 / 1.2}
+    runs = {}
+    for p, f in speed.items():
+        runs[p] = [{"prompt": k, "tpt_s": b * f * (1 + rng.uniform(-0.01, 0.01)) / 1000,
+                    "identical": True, "cloud_s_per_token": 0.01, "edge_cpu_s_per_token": 0.02,
+                    "acceptance_rate": 0.5, "tokens": 16} for k, b in base.items()]
+    return runs, list(base), {k: b * 0.5 for k, b in base.items()}
+
+
+def test_policy_rows_pair_prompts_and_carry_intervals():
+    from bench.bench_spec import policy_rows
+    runs, names, bound_ms = synthetic_runs()
+    tuned = {"vanilla": {"knobs": {"n": 4}, "how": "BO"}}
+    rows = policy_rows(runs, names, bound_ms, tuned)
+    by = {r["policy"]: r for r in rows}
+    assert by["pipesd"]["best_baseline"] == "vanilla"
+    assert by["pipesd"]["vs_best_baseline"] == pytest.approx(1.2, rel=0.02)
+    lo, hi = by["pipesd"]["vs_best_baseline_ci95"]
+    assert lo <= by["pipesd"]["vs_best_baseline"] <= hi and lo > 1.1 and hi < 1.3
+    assert by["vanilla"]["tuned_params"] == tuned["vanilla"]
+    assert by["hsl"]["tuned_params"]["knobs"] is None
+    for r in rows:
+        assert r["tpt_over_bound"] > 1 and r["bound_violations"] == 0
+        assert r["ci95"][0] <= r["tpt_ms"] <= r["ci95"][1]
+    section = results_page.spec_section(
+        {"results": rows, "workload": "humaneval", "scenario": "s1", "test_prompts": names,
+         "tuning_prompts": ["T"], "tuned": True, "tune_budget": 16, "tune_window": 4,
+         "bound": {"rtt_s": 0.05, "verify_s": [0.02, 0.03]}}, "spec_s1")
+    assert "pipesd over the best tuned baseline (vanilla)" in section
+    assert "| 1.203x [1.2, 1.21] | met |" in section
+
+
+def test_policy_rows_flag_a_run_under_the_bound():
+    from bench.bench_spec import policy_rows
+    runs, names, bound_ms = synthetic_runs()
+    bound_ms[names[0]] = 1000.0   # no request could be that slow: every policy "beats" it
+    rows = policy_rows(runs, names, bound_ms, {})
+    assert all(r["bound_violations"] == 1 and r["tpt_over_bound_min"] < 1 for r in rows)

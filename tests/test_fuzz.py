@@ -185,7 +185,7 @@ TYPED = {"sid": SIDS, "token_ids": TOKENS, "append": TOKENS, "probs": st.lists(s
          "until": INTS, "keep": INTS, "cut": st.integers(-1, 31), "max_tokens": st.integers(-1, 24),
          "index": INTS, "parent": INTS, "token": INTS, "token_id": INTS, "position": INTS,
          "mode": st.sampled_from(["cloud-only", "spec", "split", "", "x"]),
-         "policy": st.sampled_from(["", "pipesd", "vanilla", "hsl", "edgellm", "oracle", "x"]),
+         "policy": st.sampled_from(["", "pipesd", "vanilla", "hsl", "edgellm", "oracle-trigger", "x"]),
          "prompt": st.text(max_size=40), "chat": st.booleans(), "stream": st.booleans(),
          "deadline_s": st.floats(-1, 5), "stop_at_eos": st.booleans(),
          "sampling": st.fixed_dictionaries({}, optional={

@@ -232,9 +232,9 @@ def test_oracle_triggers_at_first_mismatch():
 
 
 def test_common_interface_and_factory():
-    for policy in ("pipesd", "hsl", "edgellm", "vanilla", "oracle"):
+    for policy in ("pipesd", "hsl", "edgellm", "vanilla", "oracle-trigger"):
         trig = make_trigger(policy, NavConfig(max_length=5, fixed_length=5))
-        if policy == "oracle":
+        if policy == "oracle-trigger":
             trig.set_reference([1] * 100)
         reasons = set()
         for _ in range(12):

@@ -35,8 +35,8 @@ def requests_total(proc) -> float:
     (dict(mode="split", cut=99), r"cut 99 outside \[1, 29\]", "cut"),
     (dict(mode="split", cut=30), r"cut 30 outside", "cut"),
     (dict(mode="spec", policy="nope"), r"unknown spec policy 'nope'", "policy"),
-    (dict(mode="spec", policy="oracle", temperature=0.7), r"oracle policy needs greedy",
-     "temperature"),
+    (dict(mode="spec", policy="oracle-trigger", temperature=0.7),
+     r"oracle-trigger policy needs greedy", "temperature"),
     (dict(mode="teleport"), r"unknown mode 'teleport'", "mode"),
     (dict(mode="cloud-only", max_tokens=0), r"max_tokens: expected `int` >= 1",   # the SDK's
      "max_tokens"),

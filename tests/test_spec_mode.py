@@ -85,7 +85,7 @@ def simulate(policy: str, prompt, n, schedule_seed, s=Sampling(), dup=0.0, kill_
     if stream is not None:
         pol = ss.Policy(pol.name, pol.trigger, pol.dp, pol.proactive, stream, pol.bo)
     trigger = make_trigger(pol.trigger, NavConfig(max_length=16, fixed_length=5))
-    if policy == "oracle":
+    if policy == "oracle-trigger":
         trigger.set_reference(target_greedy(prompt, n))
     sm = ss.SpecRounds(len(prompt), n, pol, trigger, BatchPlanner(), DraftWindow(),
                        lambda: (0.004, 0.0005, 0.002), lookahead, depth=depth)
@@ -171,7 +171,7 @@ def simulate(policy: str, prompt, n, schedule_seed, s=Sampling(), dup=0.0, kill_
     return out[:n], sm.stats
 
 
-SIM_POLICIES = ["pipesd", "pipesd-stream", "vanilla", "hsl", "edgellm", "oracle"]
+SIM_POLICIES = ["pipesd", "pipesd-stream", "vanilla", "hsl", "edgellm", "oracle-trigger"]
 
 
 @pytest.mark.parametrize("policy", SIM_POLICIES)
@@ -225,7 +225,7 @@ def test_results_for_unknown_or_finished_rounds_are_ignored():
 
 # --- 2. real services ---------------------------------------------------------------------------
 MAX_TOKENS = 24
-POLICIES = ["pipesd", "pipesd-stream", "vanilla", "hsl", "edgellm", "oracle"]
+POLICIES = ["pipesd", "pipesd-stream", "vanilla", "hsl", "edgellm", "oracle-trigger"]
 KINDS = ["plain", "chat", "code"]
 
 

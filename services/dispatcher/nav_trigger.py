@@ -241,7 +241,9 @@ class FixedLengthTrigger(NavTrigger):
 
 
 class OracleTrigger(NavTrigger):
-    """Upper bound on any trigger: verify exactly at the first draft token the target rejects.
+    """The oracle-trigger policy's trigger: verify exactly at the first draft token the target
+    rejects. Not a bound on policies (it neither drafts proactively nor tunes batching: others
+    beat it); bench/bound.py computes a true bound.
 
     The caller provides the target's greedy continuation of the committed prefix with
     ``set_reference(token_ids)`` at the start of each round (``offset`` skips tokens already
@@ -318,7 +320,7 @@ class DraftWindow:
 
 
 def make_trigger(policy: str, config: NavConfig | None = None) -> NavTrigger:
-    """A trigger for a policy name: "pipesd", "hsl", "edgellm", "vanilla" or "oracle"."""
+    """A trigger for a policy name: "pipesd", "hsl", "edgellm", "vanilla" or "oracle-trigger"."""
     c = config or NavConfig()
     if policy == "pipesd":
         return DualThresholdTrigger(c.r1, c.r2, c.max_length)
@@ -328,6 +330,6 @@ def make_trigger(policy: str, config: NavConfig | None = None) -> NavTrigger:
         return CumulativeTrigger(c.edgellm_r1, c.edgellm_c, c.max_length)
     if policy == "vanilla":
         return FixedLengthTrigger(c.fixed_length)
-    if policy == "oracle":
+    if policy == "oracle-trigger":
         return OracleTrigger(c.max_length)
     raise ValueError(f"unknown NAV policy {policy!r}")

@@ -2,7 +2,7 @@
 
 Wiring only; the decisions live in pure modules:
     spec_session.SpecRounds    rounds, proactive rounds, what to send / emit / roll back
-    nav_trigger                when to verify (dual threshold, HSL, EdgeLLM, fixed, oracle)
+    nav_trigger                when to verify (dual threshold, HSL, EdgeLLM, fixed, oracle-trigger)
     dp_batching.BatchPlanner   how to batch the tokens of a round (Algorithm 1)
     link_model                 α, β (least squares over batch acks) and γ (drafter timings)
     bo_tuner.BOTuner           (R1, R2) tuned on live traffic
@@ -120,11 +120,37 @@ def check_policy(name: str, sampling_params):
         raise ProtocolError(protocol.BAD_FIELD,
                             f"unknown spec policy {name!r}; one of {sorted(POLICIES)}",
                             field="policy")
-    if policy.name == "oracle" and not sampling.is_greedy(sampling_params):
-        raise ProtocolError(protocol.BAD_FIELD, "the oracle policy needs greedy decoding "
+    if policy.name == "oracle-trigger" and not sampling.is_greedy(sampling_params):
+        raise ProtocolError(protocol.BAD_FIELD, "the oracle-trigger policy needs greedy decoding "
                                                 "(its trigger knows the target's greedy output)",
                             field="sampling.temperature")
     return policy
+
+
+# The knobs each trigger takes per request (GenerateRequest.policy_knobs) and their ranges.
+POLICY_KNOBS = {"pipesd": {"r1": (0.0, 1.0), "r2": (0.0, 1.0)},
+                "hsl": {"r2": (0.0, 1.0)},
+                "edgellm": {"r1": (0.0, 1.0), "c": (0.0, 0.999999)},
+                "vanilla": {"n": (0.0, 1024.0)},
+                "oracle-trigger": {}}
+
+
+def check_knobs(policy, knobs: dict | None) -> None:
+    """policy_knobs must name knobs of the request's policy, in range ("n" a whole number)."""
+    if knobs is None:
+        return
+    allowed = POLICY_KNOBS[policy.trigger]
+    for k, v in knobs.items():
+        if k not in allowed:
+            raise ProtocolError(protocol.BAD_FIELD,
+                                f"policy_knobs: {policy.name} has no knob {k!r}; its knobs: "
+                                f"{sorted(allowed) or 'none'}", field="policy_knobs")
+        lo, hi = allowed[k]
+        if not lo < v <= hi or (k == "n" and v != int(v)):
+            raise ProtocolError(protocol.BAD_FIELD,
+                                f"policy_knobs: {k}={v!r} outside ({lo:g}, {hi:g}]"
+                                + (" or not a whole number" if k == "n" else ""),
+                                field="policy_knobs")
 
 
 class Spec:
@@ -136,8 +162,9 @@ class Spec:
         self.edge = Edge(cfg)
 
     def validate(self, d, msg) -> None:
-        """An unknown policy (or the oracle trigger with sampling) is a bad field."""
-        check_policy(self.policy(d, msg), msg.sampling)
+        """An unknown policy (or the oracle trigger with sampling), or knobs the policy does
+        not have, are a bad field."""
+        check_knobs(check_policy(self.policy(d, msg), msg.sampling), msg.policy_knobs)
 
     def policy(self, d, msg) -> str:
         return msg.policy or d.cfg.spec.policy
@@ -190,13 +217,19 @@ class SpecRun:
     def tuned(self) -> bool:
         """This request uses and feeds its policy's BO autotuner (not when it fixes the
         thresholds itself)."""
-        return self.policy.bo and self.cfg.spec.bo and self.req.msg.nav_thresholds is None
+        return (self.policy.bo and self.cfg.spec.bo and self.req.msg.nav_thresholds is None
+                and self.req.msg.policy_knobs is None)
 
     def _trigger(self):
         c = self.cfg
-        trig = make_trigger(self.policy.trigger, NavConfig(r1=c.spec.r1, r2=c.spec.r2,
-                                                           max_length=c.spec.max_draft,
-                                                           fixed_length=c.spec.fixed_length))
+        knobs = self.req.msg.policy_knobs or {}
+        nav = NavConfig(r1=knobs.get("r1", c.spec.r1), r2=knobs.get("r2", c.spec.r2),
+                        max_length=c.spec.max_draft,
+                        fixed_length=int(knobs.get("n", c.spec.fixed_length)))
+        if self.policy.trigger == "edgellm":
+            nav.edgellm_r1 = knobs.get("r1", nav.edgellm_r1)
+            nav.edgellm_c = knobs.get("c", nav.edgellm_c)
+        trig = make_trigger(self.policy.trigger, nav)
         if self.req.msg.nav_thresholds is not None:
             trig.set_thresholds(*self.req.msg.nav_thresholds)
         elif self.tuned:
@@ -208,11 +241,11 @@ class SpecRun:
         req, d = self.req, self.d
         self.vpeer = await self.rec.connect()
         trigger = self._trigger()
-        if self.policy.name == "oracle":
+        if self.policy.name == "oracle-trigger":
             t = time.monotonic()
             trigger.set_reference(await self._reference())
             req.stats["oracle_reference_s"] = time.monotonic() - t
-            req.start = time.monotonic()   # an upper bound: the reference's cost is not counted
+            req.start = time.monotonic()   # its reference generation is not counted in its TPT
         self.sm = SpecRounds(len(req.prompt_ids), req.max_tokens, self.policy, trigger,
                              BatchPlanner(), self.edge.window(self.policy.name), self._params,
                              self.cfg.spec.lookahead, MetricHooks(self.policy.name, self.edge),

@@ -58,10 +58,11 @@ POLICIES = {
     "vanilla": Policy("vanilla", "vanilla", dp=False, proactive=False, stream=False, bo=False),
     "hsl": Policy("hsl", "hsl", dp=False, proactive=False, stream=False, bo=False),
     "edgellm": Policy("edgellm", "edgellm", dp=False, proactive=False, stream=False, bo=False),
-    # The oracle's rounds end at a draft the target rejects, so a proactive round behind one is
-    # always discarded: it waits instead, and its drafter does not spend the edge core on
+    # The oracle-trigger's rounds end at a draft the target rejects, so a proactive round behind
+    # one is always discarded: it waits instead, and its drafter does not spend the edge core on
     # tokens it knows are lost (3-4 % of its TPT in an S1 run, the drafter sharing its core).
-    "oracle": Policy("oracle", "oracle", dp=True, proactive=False, stream=False, bo=False),
+    "oracle-trigger": Policy("oracle-trigger", "oracle-trigger", dp=True, proactive=False,
+                             stream=False, bo=False),
 }
 
 

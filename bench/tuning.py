@@ -1,0 +1,141 @@
+"""Tuning parity: every speculative policy with knobs gets the same BO, the same budget, on the
+same tuning prompts, before anything is measured on the test set.
+
+The BO is the dispatcher's own (services/dispatcher/bo_tuner.py): skopt's Optimizer with a GP,
+expected improvement with ξ = 0.1 on ln(TPT), the same initial points, acquisition settings and
+seed, the policy's current default evaluated first, and at the end the evaluated point with the
+lowest GP posterior mean (noise-aware, as BOTuner settles) is chosen. Only the search space
+differs per policy:
+
+    vanilla         n   draft length, integer in [1, 32]                  default 8
+    hsl             r2  single-token threshold, uniform in [1e-6, 1]      default 0.94
+    edgellm         r1  initial cumulative threshold, log-uniform         default 0.5
+                    c   its update constant, uniform in [0.05, 0.95]      default 0.5
+    pipesd(-stream) r1  log-uniform in [1e-6, 1], r2 uniform in [1e-6, 1]  defaults 0.90, 0.94
+                        (exactly BOTuner's space)
+
+Policies without knobs (cloud-only, oracle-trigger) are measured as they are.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+from threadpoolctl import threadpool_limits
+
+from services.dispatcher.bo_tuner import DEFAULT_R1, DEFAULT_R2, R_HIGH, R_LOW, BOConfig
+
+__all__ = ["KNOBS", "DEFAULTS", "TuneResult", "PolicyTuner", "tune", "knob_policy"]
+
+# policy -> [(knob, kind, low, high, prior)]
+KNOBS: dict[str, list[tuple[str, str, float, float, str]]] = {
+    "vanilla": [("n", "int", 1, 32, "uniform")],
+    "hsl": [("r2", "real", R_LOW, R_HIGH, "uniform")],
+    "edgellm": [("r1", "real", R_LOW, R_HIGH, "log-uniform"), ("c", "real", 0.05, 0.95, "uniform")],
+    "pipesd": [("r1", "real", R_LOW, R_HIGH, "log-uniform"),
+               ("r2", "real", R_LOW, R_HIGH, "uniform")],
+}
+KNOBS["pipesd-stream"] = KNOBS["pipesd"]
+DEFAULTS: dict[str, dict[str, float]] = {
+    "vanilla": {"n": 8}, "hsl": {"r2": DEFAULT_R2}, "edgellm": {"r1": 0.5, "c": 0.5},
+    "pipesd": {"r1": DEFAULT_R1, "r2": DEFAULT_R2},
+    "pipesd-stream": {"r1": DEFAULT_R1, "r2": DEFAULT_R2},
+}
+
+
+def knob_policy(policy: str) -> bool:
+    return policy in KNOBS
+
+
+@dataclass
+class TuneResult:
+    policy: str
+    knobs: dict[str, float]
+    evaluations: list[dict] = field(default_factory=list)   # {"knobs": {...}, "tpt_ms": ...}
+
+
+def _space(policy: str):
+    from skopt.space import Integer, Real  # noqa: PLC0415  (slow import)
+    dims = []
+    for name, kind, lo, hi, prior in KNOBS[policy]:
+        dims.append(Integer(int(lo), int(hi), name=name) if kind == "int"
+                    else Real(lo, hi, prior=prior, name=name))
+    return dims
+
+
+def _point(policy: str, x) -> dict[str, float]:
+    out = {}
+    for (name, kind, lo, hi, _), v in zip(KNOBS[policy], x):
+        v = min(hi, max(lo, float(v)))
+        out[name] = int(round(v)) if kind == "int" else v
+    return out
+
+
+class PolicyTuner:
+    """The BO of one policy, ask/tell: ``ask()`` the knobs to evaluate next, ``tell(tpt_s)`` their
+    TPT; after `budget` tells, ``result()`` gives the chosen knobs (the evaluated point with the
+    lowest GP posterior mean, as BOTuner settles; the lowest measured TPT while the GP has not
+    been fitted)."""
+
+    def __init__(self, policy: str, budget: int = 16, seed: int = 0,
+                 config: BOConfig | None = None):
+        from skopt import Optimizer  # noqa: PLC0415  (slow import)
+        if budget < 1:
+            raise ValueError("budget must be >= 1")
+        if policy not in KNOBS:
+            raise ValueError(f"{policy!r} has no knobs to tune")
+        self.policy, self.budget = policy, budget
+        self.config = c = config or BOConfig()
+        self.opt = Optimizer(_space(policy), base_estimator="GP", acq_func="EI",
+                             acq_func_kwargs={"xi": c.xi},
+                             n_initial_points=min(c.n_initial_points, budget),
+                             random_state=seed, acq_optimizer="lbfgs",
+                             acq_optimizer_kwargs={"n_points": c.acq_n_points,
+                                                   "n_restarts_optimizer": c.acq_n_restarts})
+        default = DEFAULTS[policy]
+        self._next = _point(policy, [default[name] for name, *_ in KNOBS[policy]])
+        self.xs: list[list[float]] = []
+        self.ys: list[float] = []
+        self.evaluations: list[dict] = []
+
+    @property
+    def done(self) -> bool:
+        return len(self.ys) >= self.budget
+
+    def ask(self) -> dict[str, float]:
+        if self.done:
+            raise RuntimeError("the budget is spent")
+        return dict(self._next)
+
+    def tell(self, tpt_s: float) -> None:
+        knobs = self._next
+        self.evaluations.append({"knobs": dict(knobs), "tpt_ms": float(tpt_s) * 1000})
+        self.xs.append([knobs[name] for name, *_ in KNOBS[self.policy]])
+        self.ys.append(math.log(max(float(tpt_s), 1e-12)))
+        with warnings.catch_warnings(), threadpool_limits(limits=self.config.blas_threads):
+            warnings.simplefilter("ignore")   # sklearn's GP convergence chatter
+            self.opt.tell(self.xs[-1], self.ys[-1], fit=True)
+            if not self.done:
+                self._next = _point(self.policy, self.opt.ask())
+
+    def result(self) -> TuneResult:
+        best = int(np.argmin(self.ys))
+        if self.opt.models:
+            with warnings.catch_warnings(), threadpool_limits(limits=self.config.blas_threads):
+                warnings.simplefilter("ignore")
+                mu = self.opt.models[-1].predict(self.opt.space.transform(self.xs))
+            best = int(np.argmin(mu))
+        return TuneResult(self.policy, dict(self.evaluations[best]["knobs"]), self.evaluations)
+
+
+def tune(policy: str, objective: Callable[[dict[str, float]], float], budget: int = 16,
+         seed: int = 0, config: BOConfig | None = None) -> TuneResult:
+    """`budget` evaluations of objective(knobs) -> TPT seconds, the policy's default first."""
+    t = PolicyTuner(policy, budget, seed, config)
+    while not t.done:
+        t.tell(objective(t.ask()))
+    return t.result()
