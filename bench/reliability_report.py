@@ -128,7 +128,7 @@ def render(d: dict) -> str:
     L += _table(["figure", "value"], [
         ["link conditions run (shapes + faults)", len(link)],
         ["faults injected and survived (link + process)", n_faults],
-        *([["faults injected without a visible effect (not counted above)", no_effect]]
+        *([["faults injected with no evidence they took effect (not counted above)", no_effect]]
           if no_effect else []),
         ["session replays after link faults", replays],
         ["sessions recovered after process kills", proc_recovered],

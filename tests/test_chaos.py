@@ -7,6 +7,13 @@ reaches the client exactly once (raw event indices, duplicates included, which t
 hide), and the time from the fault to the next token is recorded (docs/reliability.md). A
 deadline that passes during a partition ends the request with a clear `deadline` error.
 
+Every condition is asserted to have taken effect, so a fault that missed cannot pass as one
+survived: a shape carried the requests' bytes both ways and cost the first token a round trip;
+each drop closed a live connection while the streams ran (the WAN emulator's counters); a
+partition silenced the streams for at least its length (the longest inter-token gap); and the
+replays the fault caused are the same in Done.stats and in the dispatcher's
+tandem_session_recoveries_total.
+
 A few representative points run by default (cloud-only: two shapes, three faults; spec and split:
 one shape, one fault); the sweep (delay 0–200 ms, 1–100 Mbit/s, jitter, partitions 1–10 s held
 and cut, repeated drops; all in cloud-only, a spread of them in spec and split) is marked slow.
