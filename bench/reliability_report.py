@@ -107,7 +107,12 @@ def render(d: dict) -> str:
 
     # --- summary
     link = [v for v in chaos.values() if v.get("kind") in ("shape", "fault")]
-    n_faults = sum(1 for v in chaos.values() if v.get("kind") == "fault") + len(faults)
+    # a fault counts as survived only when its test showed it took effect (a replay, a live
+    # connection dropped, a silence as long as the partition, a session that lost its drafter);
+    # a figure without that evidence (e.g. a drop that hit no message, from an older run) does not
+    injected = [v for v in chaos.values() if v.get("kind") == "fault"] + list(faults.values())
+    n_faults = sum(1 for v in injected if v.get("took_effect"))
+    no_effect = len(injected) - n_faults
     replays = sum(v.get("recoveries", 0) for v in link)
     proc_recovered = sum(v.get("sessions_recovered", 0) for v in faults.values())
     lost = (sum(v.get("tokens_lost", 0) for v in link)
@@ -123,6 +128,8 @@ def render(d: dict) -> str:
     L += _table(["figure", "value"], [
         ["link conditions run (shapes + faults)", len(link)],
         ["faults injected and survived (link + process)", n_faults],
+        *([["faults injected with no evidence they took effect (not counted above)", no_effect]]
+          if no_effect else []),
         ["session replays after link faults", replays],
         ["sessions recovered after process kills", proc_recovered],
         ["tokens streamed under faults / lost / duplicated", f"{tokens} / {lost} / {dup}"],

@@ -87,6 +87,9 @@ FORWARD = Histogram("tandem_forward_seconds", "Model forward-call duration by ph
                     ["service", "phase"], buckets=LATENCY)
 FORWARD_TOKENS = Histogram("tandem_forward_batch_tokens", "Tokens in one forward call",
                            ["service", "phase"], buckets=SIZE)
+FORWARD_SESSIONS = Histogram("tandem_forward_batch_sessions",
+                             "Sessions in one forward call (more than 1: a batched forward)",
+                             ["service", "phase"], buckets=SIZE)
 QUEUE_TIME = Histogram("tandem_queue_seconds", "Time a request waited before its forward call",
                        ["service"], buckets=LATENCY)
 LINK_RTT = Histogram("tandem_link_rtt_seconds", "Heartbeat round trip to a peer service",
@@ -160,6 +163,7 @@ def declare_forward(service: str, phases: tuple[str, ...], token_phases: tuple[s
         FORWARD.labels(service, phase)
     for phase in token_phases or phases:
         FORWARD_TOKENS.labels(service, phase)
+        FORWARD_SESSIONS.labels(service, phase)
 
 
 def declare_verifier(service: str) -> None:

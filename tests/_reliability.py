@@ -27,6 +27,7 @@ from common import protocol
 from common.launcher import Cluster
 from common.models import repo_root
 from common.wan import LinkShape, WanProxy
+from tests.conftest import metric_samples, wait_until
 
 # Service flags that make failures visible in ~1 s instead of ~6 s (tests only).
 FAST_PEERS = ["--heartbeat-s", "0.25", "--peer-timeout-s", "1.5"]
@@ -64,21 +65,50 @@ def rss_mb(pid: int) -> float:
 
 
 def no_sessions_left(c: Cluster, wait_s: float = 15.0) -> None:
-    """Every service's session gauges are back to 0 (closes are asynchronous: wait a little)."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        left = {}
+    """Every service's session gauges are back to 0 (closes are asynchronous: polled until they
+    are, or `wait_s` passes)."""
+    def left() -> dict[str, float]:
+        out = {}
         for name, p in c.procs.items():
             with urllib.request.urlopen(p.url("/metrics"), timeout=5) as r:
                 for line in r.read().decode().splitlines():
                     if line.startswith(("tandem_sessions{", "tandem_active_sessions{")):
                         value = float(line.rsplit(" ", 1)[1])
                         if value:
-                            left[f"{name}:{line.split(' ')[0]}"] = value
-        if not left or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
-    assert not left, f"sessions left behind: {left}"
+                            out[f"{name}:{line.split(' ')[0]}"] = value
+        return out
+    deadline = time.monotonic() + wait_s
+    while (now := left()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not now, f"sessions left behind: {now}"
+
+
+def recoveries_total(c: Cluster, service: str = "dispatcher") -> float:
+    """The dispatcher's tandem_session_recoveries_total, every mode and reason together."""
+    return sum(v for name, labels, v in metric_samples(c.procs[service].url("/metrics"))
+               if name == "tandem_session_recoveries_total" and labels.get("service") == service)
+
+
+def heartbeats_from(c: Cluster, peer: str, service: str = "dispatcher") -> tuple[float, bool]:
+    """(heartbeat answers `service` has had from `peer`, whether it counts `peer` up now)."""
+    pongs, up = 0.0, False
+    for name, labels, v in metric_samples(c.procs[service].url("/metrics")):
+        if labels.get("service") != service or labels.get("peer") != peer:
+            continue
+        if name == "tandem_link_rtt_seconds_count":
+            pongs = v
+        elif name == "tandem_peer_up":
+            up = v == 1
+    return pongs, up
+
+
+def wait_link_back(c: Cluster, link: "Link", peer: str, timeout: float = 60.0) -> None:
+    """Wait until `link`'s partition has healed and the dispatcher has heard `peer` answer a
+    heartbeat through it since, and counts it up again: the link is usable, not merely healed."""
+    wait_until(lambda: link.partitioned_for() == 0, timeout, "the partition to heal")
+    pongs, _ = heartbeats_from(c, peer)
+    wait_until(lambda: (lambda n, up: n > pongs and up)(*heartbeats_from(c, peer)), timeout,
+               f"the dispatcher to hear {peer} again after the heal")
 
 
 # ------------------------------------------------------------------------- stream recorder
@@ -257,6 +287,20 @@ class Link:
 
     def stats(self) -> dict:
         return self.call(self.proxy.stats)
+
+    def partitioned_for(self) -> float:
+        return self.call(self.proxy.partitioned_for)
+
+    def drop_live(self, streams: list[Stream], timeout: float = 30.0) -> int:
+        """A drop that hits: once a connection is open and a stream is still running, close
+        every connection; returns how many were closed (at least 1, asserted)."""
+        wait_until(lambda: self.stats()["connections_open"] >= 1
+                   or all(s.end is not None for s in streams),
+                   timeout, "a connection through the link to drop")
+        assert not all(s.end is not None for s in streams), "the streams ended before the drop"
+        n = self.drop()
+        assert n >= 1, "the drop closed no connection"
+        return n
 
     def close(self) -> None:
         with contextlib.suppress(Exception):

@@ -7,6 +7,13 @@ reaches the client exactly once (raw event indices, duplicates included, which t
 hide), and the time from the fault to the next token is recorded (docs/reliability.md). A
 deadline that passes during a partition ends the request with a clear `deadline` error.
 
+Every condition is asserted to have taken effect, so a fault that missed cannot pass as one
+survived: a shape carried the requests' bytes both ways and cost the first token a round trip;
+each drop closed a live connection while the streams ran (the WAN emulator's counters); a
+partition silenced the streams for at least its length (the longest inter-token gap); and the
+replays the fault caused are the same in Done.stats and in the dispatcher's
+tandem_session_recoveries_total.
+
 A few representative points run by default (cloud-only: two shapes, three faults; spec and split:
 one shape, one fault); the sweep (delay 0–200 ms, 1–100 Mbit/s, jitter, partitions 1–10 s held
 and cut, repeated drops; all in cloud-only, a spread of them in spec and split) is marked slow.
@@ -98,8 +105,8 @@ def prompts(tokenizer, reference):
     return {k: (ids, reference(ids, N)) for k, ids in out.items()}
 
 
-def _check(streams, prompts, assert_same_tokens, label) -> dict:
-    figures = {"requests": len(streams), "tokens_expected": N * len(streams),
+def _check(streams, prompts, assert_same_tokens, label, n: int = N) -> dict:
+    figures = {"requests": len(streams), "tokens_expected": n * len(streams),
                "tokens_received": 0, "tokens_lost": 0, "tokens_duplicated": 0,
                "recoveries": 0, "recovery_reasons": [], "near_ties": 0}
     for key, s in zip(PROMPT_KEYS, streams):
@@ -110,8 +117,8 @@ def _check(streams, prompts, assert_same_tokens, label) -> dict:
         assert_same_tokens(ids, s.tokens, want, f"{label}/{key}")
         figures["near_ties"] += len(assert_same_tokens.ties) - ties
         figures["tokens_received"] += len(s.tokens)
-        figures["tokens_lost"] += max(0, N - len(s.tokens))
-        figures["tokens_duplicated"] += max(0, len(s.tokens) - N)
+        figures["tokens_lost"] += max(0, n - len(s.tokens))
+        figures["tokens_duplicated"] += max(0, len(s.tokens) - n)
         figures["recoveries"] += s.done.stats.get("recoveries", 0)
         figures["recovery_reasons"] += s.done.stats.get("recovery_reasons", [])
     return figures
@@ -123,6 +130,7 @@ def test_shaped_link(env, prompts, assert_same_tokens, mode, name):
     cloud, args = MODES[mode]
     link = links[cloud]
     shape = {**SHAPES, **SLOW_SHAPES}[name]
+    wan_before = link.stats()
     link.shape(**shape)
     try:
         t = time.monotonic()
@@ -132,44 +140,90 @@ def test_shaped_link(env, prompts, assert_same_tokens, mode, name):
     finally:
         link.shape()
     figures = _check(streams, prompts, assert_same_tokens, f"{mode} {name}")
+    # the shape took effect: the requests crossed the shaped link both ways, and a first token
+    # needs a round trip over it (uniform jitter takes at most jitter_ms off each way)
+    wan = link.stats()
+    for way in ("up", "down"):
+        assert wan[way]["bytes_out"] > wan_before[way]["bytes_out"], (way, wan)
+    if shape.get("jitter_dist", "uniform") == "uniform":
+        one_way_s = max(0, shape.get("latency_ms", 0) - shape.get("jitter_ms", 0)) / 1e3
+        first = min(s.token_times()[0] - s.sent_at for s in streams)
+        assert first >= 2 * one_way_s, f"first token after {first:.3f} s < a round trip"
     rel.record("chaos", f"{mode}: link {name}", kind="shape", mode=mode, link=f"dispatcher->{cloud}",
                shape=shape, wall_s=round(wall, 2),
                longest_gap_s=round(max(s.longest_gap() for s in streams), 3), **figures)
 
 
-def _inject(link: rel.Link, action: str, seconds: float, mode: str) -> None:
+# tokens per request under each fault: five drops 0.5 s apart need a longer stream to land in
+FAULT_TOKENS = {"drop5": 48}
+
+
+def _inject(link: rel.Link, rec: rel.Recorder, streams: list[rel.Stream], action: str,
+            seconds: float, how: str) -> list[int]:
+    """Inject the fault while the streams run; for drops, the connections each one closed
+    (every drop is aimed at a live connection, asserted)."""
+    dropped: list[int] = []
     if action == "drop":
-        link.drop()
-        time.sleep(1.0)
-        link.drop()
+        dropped.append(link.drop_live(streams))
+        # the second drop once the streams moved on: it hits the re-made connection
+        moved = [len(s.tokens) for s in streams]
+        assert rec.wait(lambda: any(len(s.tokens) > k for s, k in zip(streams, moved))
+                        or all(s.end is not None for s in streams), 60), "no token after a drop"
+        dropped.append(link.drop_live(streams))
     elif action == "drop5":
         link.shape(latency_ms=100)
-        for _ in range(5):
-            link.drop()
-            time.sleep(0.5)
-        link.shape()
+        try:
+            for k in range(5):
+                if k:
+                    time.sleep(0.5)          # the fault itself: a drop every 0.5 s
+                dropped.append(link.drop_live(streams))
+        finally:
+            link.shape()
     else:
-        link.partition(seconds, mode)
+        link.partition(seconds, how)
+    return dropped
 
 
 @pytest.mark.parametrize("mode,name", _params(FAULTS, SLOW_FAULTS))
-def test_link_fault(env, prompts, assert_same_tokens, mode, name):
+def test_link_fault(env, tokenizer, reference, assert_same_tokens, mode, name):
+    """Every fault takes effect, asserted: each drop closes a live connection (the WAN
+    emulator's counters) and a partition silences the streams for at least its length (the
+    longest inter-token gap); the replays it caused are recorded (Done.stats and the dispatcher's
+    tandem_session_recoveries_total agree)."""
     c, links, rec = env
     cloud, args = MODES[mode]
     link = links[cloud]
     action, seconds, how = {**FAULTS, **SLOW_FAULTS}[name]
-    streams = [rec.generate(prompts[k][0], N, deadline_s=120, mode=mode, **args)
+    n = FAULT_TOKENS.get(action, N)
+    ids_of = {k: tokenizer.encode(PROMPTS[k]) for k in PROMPT_KEYS}
+    prompts = {k: (ids, reference(ids, n)) for k, ids in ids_of.items()}
+    wan_before = link.stats()
+    replays_before = rel.recoveries_total(c)
+    streams = [rec.generate(prompts[k][0], n, deadline_s=120, mode=mode, **args)
                for k in PROMPT_KEYS]
     assert rec.wait_tokens(streams[0], 4), "no tokens before the fault"
     t_fault = time.monotonic()
-    _inject(link, action, seconds, how)
+    dropped = _inject(link, rec, streams, action, seconds, how)
     assert rec.wait_end(streams, timeout=180), "requests never ended"
-    figures = _check(streams, prompts, assert_same_tokens, f"{mode} {name}")
+    figures = _check(streams, prompts, assert_same_tokens, f"{mode} {name}", n)
+    wan = link.stats()
+    replays_metric = rel.recoveries_total(c) - replays_before
+    assert replays_metric == figures["recoveries"], (replays_metric, figures)
+    longest_gap = max(s.longest_gap() for s in streams)
+    if action.startswith("drop"):
+        assert wan["drops"] - wan_before["drops"] >= len(dropped) and all(dropped), (dropped, wan)
+        effect = f"{len(dropped)} drops closed {sum(dropped)} live connections"
+    else:
+        assert wan["partitions"] == wan_before["partitions"] + 1, wan
+        # nothing crosses a partition: the streams' silence spans it (timer slack: 50 ms)
+        assert longest_gap >= seconds - 0.05, f"longest gap {longest_gap:.2f} s < {seconds} s"
+        effect = f"streams silent {longest_gap:.2f} s across a {seconds} s partition"
     waits = [s.gap_after(t_fault) for s in streams if s.gap_after(t_fault) is not None]
     rel.record("chaos", f"{mode}: fault {name}", kind="fault", mode=mode,
                link=f"dispatcher->{cloud}", action=action, seconds=seconds, how=how,
                time_to_recover_s=round(max(waits), 3) if waits else None,
-               longest_gap_s=round(max(s.longest_gap() for s in streams), 3), **figures)
+               longest_gap_s=round(longest_gap, 3), took_effect=True, effect=effect,
+               connections_dropped=sum(dropped), replays_metric=replays_metric, **figures)
 
 
 def test_deadline_passes_during_partition(env, prompts, assert_same_tokens):
@@ -185,7 +239,7 @@ def test_deadline_passes_during_partition(env, prompts, assert_same_tokens):
     assert s.error is not None and s.error.code == "deadline", s.end
     assert "deadline" in s.error.message
     s.check_exactly_once()
-    time.sleep(max(0.0, 6.5 - (time.monotonic() - t)))
+    rel.wait_link_back(c, links["verifier"], "verifier")
     after = rec.generate(ids, 4, deadline_s=60)
     assert rec.wait_end([after], timeout=90)
     assert after.done is not None

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -65,10 +66,20 @@ def test_up_stops_every_service_even_when_signalled_twice(tmp_path, model_paths)
     finally:
         if p.poll() is None:
             p.kill()
-    time.sleep(1)
-    alive = [pid for pid in pids if os.path.exists(f"/proc/{pid}")
-             and "services." in open(f"/proc/{pid}/cmdline").read()]
-    assert not alive, f"services left running: {alive}"
+
+    def alive() -> list[int]:
+        out = []
+        for pid in pids:
+            try:
+                if "services." in Path(f"/proc/{pid}/cmdline").read_text():
+                    out.append(pid)
+            except OSError:         # gone (or going) meanwhile
+                pass
+        return out
+    deadline = time.monotonic() + 10     # `up` waited for them; a zombie's reaping may lag
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(), f"services left running: {alive()}"
 
 
 def test_serve_rejects_unknown_service():

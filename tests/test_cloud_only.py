@@ -14,7 +14,7 @@ import pytest
 
 from common.launcher import Cluster, free_port
 from tandem import AsyncClient, Client, DeadlineExceeded, InvalidRequest, Unavailable
-from tests.conftest import PROMPTS, long_prompt
+from tests.conftest import PROMPTS, forwards_over_one_session, long_prompt
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +63,8 @@ def test_long_prompt_equals_transformers(client, tokenizer, reference, assert_sa
 def test_concurrent_sessions_batched_equal_one_by_one(cluster, tokenizer, reference,
                                                       assert_same_tokens):
     prompts = [PROMPTS["plain"], PROMPTS["code"], "Once upon a time", "1, 2, 3, 4,"]
+    metrics_url = cluster.procs["verifier"].url("/metrics")
+    batched_before = forwards_over_one_session(metrics_url, "verifier")
 
     async def go():
         async with AsyncClient(cluster.endpoint("dispatcher")) as c:
@@ -72,6 +74,8 @@ def test_concurrent_sessions_batched_equal_one_by_one(cluster, tokenizer, refere
     for i, (p, r) in enumerate(zip(prompts, results)):
         ids = tokenizer.encode(p)
         assert_same_tokens(ids, r.token_ids, reference(ids, 12 + 3 * i), f"concurrent {i}")
+    batched = forwards_over_one_session(metrics_url, "verifier") - batched_before
+    assert batched >= 1, "no verifier forward held more than one session: nothing was batched"
 
 
 def test_streaming_chunks_are_ordered_and_complete(client):
@@ -129,8 +133,8 @@ def test_cli_generate_json(cluster, tokenizer, reference, assert_same_tokens):
     data = json.loads(out.stdout)
     assert set(data) >= {"mode", "token_ids", "text", "stats"}
     ids = tokenizer.encode(PROMPTS["plain"])
-    assert_same_tokens(ids, data["token_ids"], reference(ids, 8, eos=True)[:len(data["token_ids"])],
-                       "cli")
+    # the CLI stops at EOS by default: the reference of the requested length that stops there too
+    assert_same_tokens(ids, data["token_ids"], reference(ids, 8, eos=True), "cli", n=8, eos=True)
 
 
 def _raw_request(endpoint: str, header: dict, timeout: float = 30.0) -> dict:

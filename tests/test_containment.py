@@ -108,11 +108,13 @@ def test_verifier_contains_a_failing_forward_and_a_failing_sampling(model_paths,
         tasks = [_stream(peer, gen("good-1"), n), _stream(peer, gen("poison-forward"), n),
                  _stream(peer, poisoned_sampling, n), _stream(peer, gen("good-2"), n)]
         started = [asyncio.ensure_future(t) for t in tasks]
-        for _ in range(500):
+        for _ in range(5000):
             if "poison-sample" in svc.sessions:
                 svc.sessions["poison-sample"].sampling.temperature = math.nan
                 break
             await asyncio.sleep(0.001)
+        else:       # the fault must take effect: the session is poisoned while it runs
+            raise AssertionError("poison-sample never opened: its sampling was not poisoned")
         good1, bad_fwd, bad_sample, good2 = await asyncio.gather(*started)
         assert good1 == want and good2 == want, (good1, good2, want)
         _check_poisoned(bad_fwd, "poison-forward")

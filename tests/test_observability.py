@@ -23,20 +23,29 @@ import pytest
 
 from bench import traffic
 from common import observability as obs
+from tests.conftest import need_tool, wait_until
 
-pytestmark = pytest.mark.skipif(
-    not (shutil.which("prometheus") and shutil.which("promtool")),
-    reason="prometheus/promtool not installed (Debian: apt-get install prometheus)")
 
 
 @pytest.fixture(scope="module")
 def stack(model_paths, tmp_path_factory):
+    if not (shutil.which("prometheus") and shutil.which("promtool")):
+        need_tool("prometheus/promtool", "Debian: apt-get install prometheus")
     with obs.observed_stack(tmp_path_factory.mktemp("observability")) as s:
         report = traffic.drive_traffic(s.dispatcher, rounds=1, max_tokens=12, api=s.api)
         assert not report.failures, report.failures
         assert report.invalid_rejected == 1
         s.traffic = report
-        time.sleep(2.5)          # two more scrapes after the last request
+        last = time.time()
+        n_targets = len(s.metrics_urls())
+
+        def scraped_twice_since() -> bool:
+            # scrapes every second: a latest scrape over 1 s after `last` had one before it
+            # that was after `last` too
+            ts = [float(x["value"][1]) for x in obs.prometheus_query(s.prometheus, "timestamp(up)")]
+            return len(ts) >= n_targets and min(ts) > last + 1.0
+        wait_until(scraped_twice_since, 30, "two scrapes of every target after the last request",
+                   every=0.2)
         yield s
 
 

@@ -4,6 +4,7 @@ peers match replies, time out cleanly and see a dead service go down; config pre
 from __future__ import annotations
 
 import asyncio
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -191,7 +192,10 @@ def test_sessions_of_a_silent_client_are_dropped():
             await asyncio.wait_for(raw.recv_multipart(), 5)
             await live.request(p.DraftOpen(sid="kept", token_ids=[1]))
             assert svc.sessions == {"gone", "kept"}
-            await asyncio.sleep(1.8)        # 3 timeouts: the silent client's session goes
+            opened = time.monotonic()
+            while not svc.dropped and time.monotonic() - opened < 10:   # the silent one goes
+                await asyncio.sleep(0.01)
+            assert time.monotonic() - opened >= 0.6 - 0.05, "dropped before the idle timeout"
             assert svc.dropped == ["gone"] and svc.sessions == {"kept"}
             text = await asyncio.to_thread(lambda: urllib.request.urlopen(
                 f"http://127.0.0.1:{svc.http_port}/metrics", timeout=5).read().decode())
@@ -300,8 +304,11 @@ def test_a_stalled_loop_fails_readiness_and_pong(monkeypatch):
         try:
             assert await asyncio.to_thread(_readyz, svc) == (200, "ready")
             svc.go.set()
-            await asyncio.sleep(1.0)
-            status, body = await asyncio.to_thread(_readyz, svc)
+            stalled_at = time.monotonic()
+            while (status_body := await asyncio.to_thread(_readyz, svc))[0] == 200 \
+                    and time.monotonic() - stalled_at < 10:
+                await asyncio.sleep(0.05)
+            status, body = status_body
             assert status == 503 and "engine loop stalled" in body, (status, body)
             peer = Peer(zmq.asyncio.Context.instance(), svc.bound_endpoint, "looping", "t")
             reply, _ = await peer.request(p.Ping(t=1.0), timeout=5)

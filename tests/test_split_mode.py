@@ -8,6 +8,7 @@ here a subset of cuts runs through the real services."""
 from __future__ import annotations
 
 import asyncio
+import time
 import urllib.request
 
 import numpy as np
@@ -19,7 +20,7 @@ from common import protocol, sampling
 from common.launcher import Cluster
 from common.runtime import Peer, PeerError
 from tandem import AsyncClient, Client, InvalidRequest, Unavailable
-from tests.conftest import PROMPTS
+from tests.conftest import PROMPTS, metric_samples
 
 L = 30
 H = 576
@@ -267,7 +268,13 @@ def test_prefix_disappearing_mid_session(model_paths, tmp_path, tokenizer, refer
                 runs = [asyncio.ensure_future(cl.complete(PROMPTS["plain"], mode="split", cut=k,
                                                           max_tokens=400, stop_at_eos=False))
                         for k in (3, 12)]
-                await asyncio.sleep(1.5)
+                # sessions running on the prefix: then it disappears mid-session
+                url = c.procs["prefix"].url("/metrics")
+                deadline = time.monotonic() + 60
+                while sum(v for n, _, v in await asyncio.to_thread(metric_samples, url)
+                          if n == "tandem_sessions") < 2:
+                    assert time.monotonic() < deadline, "the split sessions never opened"
+                    await asyncio.sleep(0.05)
                 c.kill("prefix")
                 return await asyncio.gather(*runs, return_exceptions=True)
         results = asyncio.run(go())

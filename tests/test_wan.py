@@ -59,6 +59,14 @@ async def rtt_ms(r: asyncio.StreamReader, w: asyncio.StreamWriter, size: int = 6
     return (time.perf_counter() - t) * 1e3
 
 
+async def until(cond, timeout: float, every: float = 0.005) -> None:
+    """Wait for a state (polled), not for a time that hopes to be long enough."""
+    deadline = time.perf_counter() + timeout
+    while not cond():
+        assert time.perf_counter() < deadline, "timed out waiting for the proxy's state"
+        await asyncio.sleep(every)
+
+
 def assert_within(measured: float, expected: float, overhead: float = 3.0):
     assert expected * 0.9 <= measured <= expected * 1.1 + overhead, (measured, expected)
 
@@ -320,13 +328,14 @@ def test_partition_hold_queues_bytes_then_heals():
                 w2.close()
 
             task = asyncio.create_task(pinger())
-            await asyncio.sleep(0.2)
+            await until(lambda: len(receipts) >= 3, 5.0)     # pings flowing
             proxy.partition(0.6)
             started = time.perf_counter()
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.1)                         # the newcomer comes 0.1 s in
             late = asyncio.create_task(newcomer())
-            await asyncio.sleep(0.9)
             await asyncio.wait_for(late, 2.0)
+            # flowing again after the heal: five pings answered after it
+            await until(lambda: sum(1 for t in receipts if t > started + 0.7) >= 5, 5.0)
             task.cancel()
             w.close()
             stats = proxy.stats()
@@ -337,7 +346,6 @@ def test_partition_hold_queues_bytes_then_heals():
     gaps = [b - a for a, b in zip(receipts, receipts[1:])]
     outage = max(gaps)
     assert 0.6 <= outage <= 0.6 * 1.1 + 0.03, outage
-    assert sum(1 for t in receipts if t > started + 0.7) >= 5  # flowing again after the heal
     assert_within(held_rtt, 500.0 + 20.0, overhead=30.0)  # opened 0.1 s in, released at 0.6 s
     assert stats["drops"] == 0 and stats["partitions"] == 1 and stats["connections_total"] == 2
 
@@ -581,12 +589,16 @@ def test_slow_receiver_pauses_reading_memory_stays_bounded():
                             window_bytes=window, send_queue_bytes=256 << 10) as proxy:
             r, w = await asyncio.open_connection(HOST, proxy.port)
             w.write(b"b" * total)
-            await asyncio.sleep(0.5)
+            # the proxy holds a window and stops reading: bytes_in stops growing
+            await until(lambda: proxy.stats()["up"]["queued_bytes"] >= window // 2, 10.0)
+            seen = -1
+            while (now := proxy.stats()["up"]["bytes_in"]) != seen:
+                seen = now
+                await asyncio.sleep(0.1)
             held = proxy.stats()["up"]
             release.set()
             await asyncio.wait_for(w.drain(), 10.0)
-            while not received:
-                await asyncio.sleep(0.01)
+            await until(lambda: received, 10.0)
             w.close()
             stats = proxy.stats()
         srv.close()

@@ -165,6 +165,7 @@ class Prefix(Service):
             phase = phases.pop() if len(phases) == 1 else "mixed"
             metrics.FORWARD.labels(self.name, phase).observe(dt)
             metrics.FORWARD_TOKENS.labels(self.name, phase).observe(sum(w.x.shape[0] for w in batch))
+            metrics.FORWARD_SESSIONS.labels(self.name, phase).observe(len(batch))
             for w, out in zip(batch, outs):
                 s = w.session
                 if isinstance(out, Exception):

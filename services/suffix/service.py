@@ -232,6 +232,7 @@ class Suffix(Service):
                         metrics.FORWARD.labels(self.name, phase).observe(res.seconds[phase])
                 metrics.FORWARD_TOKENS.labels(self.name, "step").observe(
                     sum(p.x.shape[0] for p in window))
+                metrics.FORWARD_SESSIONS.labels(self.name, "step").observe(len(window))
             for p, out in zip(window, outs):
                 s = p.session
                 if isinstance(out, Exception):

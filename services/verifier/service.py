@@ -175,6 +175,7 @@ class Verifier(Service):
         phase = step[0][1].phase if len({w.phase for _, w in step}) == 1 else "mixed"
         metrics.FORWARD.labels(self.name, phase).observe(dt)
         metrics.FORWARD_TOKENS.labels(self.name, phase).observe(sum(len(w.token_ids) for _, w in step))
+        metrics.FORWARD_SESSIONS.labels(self.name, phase).observe(len(step))
         return out
 
     async def end_session(self, s: EngineSession, what: str, exc: BaseException) -> None:
