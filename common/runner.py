@@ -1,5 +1,6 @@
 """LayerRangeRunner: runs any contiguous layer range [a, b) of a decoder model (Llama, Mistral,
-Qwen2/3, Gemma 2/3, Phi-3: common/architectures.py) for a ragged batch of sessions, each with its own KV cache and its own number of new tokens (DySCo's dyForward).
+Qwen2/3, Gemma 2/3, Phi-3: common/architectures.py) for a ragged batch of sessions, each with its
+own KV cache and its own number of new tokens (DySCo's dyForward).
 
 One runner serves the verifier ([0, L), many sessions, k draft tokens each), the prefix ([0, c))
 and the suffix ([c, L), sessions at different cuts, cascaded range by range within a step).
