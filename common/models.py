@@ -64,9 +64,9 @@ def bundled_gguf() -> Path:
 
 @dataclass(frozen=True)
 class ModelPaths:
-    target: Path         # HF directory (config.json + model.safetensors + tokenizer)
-    drafter: Path        # realistic drafter GGUF (Q4_0)
-    drafter_ideal: Path  # near-ideal drafter GGUF (the Q4_1 original)
+    target: Path                # HF directory (config.json + model.safetensors + tokenizer)
+    drafter: Path | None        # realistic drafter GGUF (Q4_0); None: a target of your own
+    drafter_ideal: Path | None  # near-ideal drafter GGUF (the source GGUF)
 
 
 def gemma3_gguf() -> Path:

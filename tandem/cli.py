@@ -53,16 +53,22 @@ def cmd_models(args) -> int:
         return 0
     if args.action == "prepare":
         try:
-            paths = models.prepare_all(args.name or models.DEFAULT_MODEL)
-            models.check_tokenizers(paths.target, paths.drafter)
+            name = args.name or models.DEFAULT_MODEL
+            if name == "bundled" or name in models.NAMED:
+                paths = models.prepare_all(name)
+            else:   # your own model (compose passes TANDEM_TARGET): a GGUF is dequantised once
+                paths = models.ModelPaths(models.resolve_target(name), None, None)
+            if paths.drafter is not None:
+                models.check_tokenizers(paths.target, paths.drafter)
         except models.ModelError as e:
             return _fail(args, "model", str(e))
         if args.json:
-            print(json.dumps({"target": str(paths.target), "drafter": str(paths.drafter),
-                              "drafter_ideal": str(paths.drafter_ideal)}))
+            print(json.dumps({"target": str(paths.target), "drafter": str(paths.drafter or ""),
+                              "drafter_ideal": str(paths.drafter_ideal or "")}))
         else:
-            print(f"target : {paths.target}\ndrafter: {paths.drafter}\n"
-                  f"drafter (near-ideal): {paths.drafter_ideal}")
+            print(f"target : {paths.target}")
+            if paths.drafter is not None:
+                print(f"drafter: {paths.drafter}\ndrafter (near-ideal): {paths.drafter_ideal}")
         return 0
     if args.action == "check":
         try:
@@ -423,7 +429,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--json", action="store_true", help='print {"mode","token_ids","text","stats"}')
     m = sub.add_parser("models", help="list, prepare, check or show models (docs/models.md)")
     m.add_argument("action", choices=["list", "prepare", "check", "show"])
-    m.add_argument("name", nargs="?", default="", help="prepare/check: a named model")
+    m.add_argument("name", nargs="?", default="", help="prepare: a named model (default "
+                   "smollm2-135m), a GGUF to dequantise or an HF directory; check: the target")
     m.add_argument("--target", default="", help="check: an HF directory, a GGUF or a name")
     m.add_argument("--drafter", default="", help="check: a drafter GGUF (or a name)")
     m.add_argument("--json", action="store_true", help="machine-readable paths (and status)")
