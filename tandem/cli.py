@@ -188,7 +188,7 @@ def cmd_up(args) -> int:
         if "api" in cluster.procs:
             print(f"  OpenAI-compatible API: {cluster.endpoint('api')}/v1 (docs/api.md)",
                   flush=True)
-        _demo(cluster.endpoint("dispatcher"), args.mode)
+        _demo(cluster.endpoint("dispatcher"), args.mode, chat=_has_chat_template(target))
         if args.detach:
             detached = True
             print("running in the background; `tandem down` stops it")
@@ -241,15 +241,24 @@ def _listening(endpoint: str, timeout: float = 2.0) -> bool | None:
         return False
 
 
-def _demo(endpoint: str, mode: str, warmup: int = 2) -> None:
+def _has_chat_template(target: Path) -> bool:
+    """Whether the target's tokenizer carries a chat template (base models such as Gemma 3
+    270M do not: the demo then sends a plain prompt)."""
+    if (target / "chat_template.jinja").is_file():
+        return True
+    cfg = target / "tokenizer_config.json"
+    return cfg.is_file() and bool(json.loads(cfg.read_text()).get("chat_template"))
+
+
+def _demo(endpoint: str, mode: str, warmup: int = 2, chat: bool = True) -> None:
     """Warm up first (first-call costs: oneDNN weight packing, llama.cpp graph allocation,
     the drafter's first context), then stream the demo and print steady-state figures."""
     from tandem import Client  # noqa: PLC0415
     print(f"\ndemo ({mode}): {DEMO_PROMPT}\n", flush=True)
     with Client(endpoint) as c:
         for _ in range(warmup):
-            c.complete(DEMO_PROMPT, mode=mode, chat=True, max_tokens=16)
-        for chunk in c.generate(DEMO_PROMPT, mode=mode, chat=True, max_tokens=64):
+            c.complete(DEMO_PROMPT, mode=mode, chat=chat, max_tokens=16)
+        for chunk in c.generate(DEMO_PROMPT, mode=mode, chat=chat, max_tokens=64):
             print(chunk.text, end="", flush=True)
         print()
         print(_stats_line(c.last_result.stats) + f" (after {warmup} warm-up requests)",

@@ -81,3 +81,9 @@ def test_up_selects_gemma_by_name(monkeypatch):
     g = gemma_or_skip()
     monkeypatch.delenv("TANDEM_DRAFTER_DRAFTER", raising=False)
     assert cli._select_model(_up_args(model="gemma3-270m")) == (g.target, g.drafter)
+
+
+def test_demo_sends_chat_only_where_the_model_has_a_template(model_paths, tmp_path):
+    assert cli._has_chat_template(model_paths.target)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
+    assert not cli._has_chat_template(tmp_path)   # a base model such as Gemma 3 270M

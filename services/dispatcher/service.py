@@ -173,6 +173,9 @@ class Dispatcher(Service):
                 raise ProtocolError(protocol.BAD_FIELD, f"token ids outside the vocabulary: {bad[:5]}",
                                     field="token_ids")
         elif msg.chat:
+            if not getattr(self.tokenizer, "chat_template", None):   # e.g. a base model
+                raise ProtocolError(protocol.BAD_FIELD, "this model has no chat template: send "
+                                    "the prompt without chat", field="chat")
             ids = self.tokenizer.apply_chat_template(
                 [{"role": "user", "content": msg.prompt}], add_generation_prompt=True,
                 tokenize=True, return_dict=False)
