@@ -87,3 +87,15 @@ def test_demo_sends_chat_only_where_the_model_has_a_template(model_paths, tmp_pa
     assert cli._has_chat_template(model_paths.target)
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
     assert not cli._has_chat_template(tmp_path)   # a base model such as Gemma 3 270M
+
+
+def test_compose_selects_the_model_through_the_environment():
+    """compose: TANDEM_TARGET names the model the one-shot `models` job prepares and every
+    service serves; TANDEM_DRAFTER_MODEL reaches the drafter's own `drafter` field."""
+    from tests.test_deploy import compose_config
+    cfg = compose_config(("edge", "cloud"), env={"TANDEM_TARGET": "gemma3-270m",
+                                                 "TANDEM_DRAFTER_MODEL": "gemma3-270m"})
+    services = cfg["services"]
+    assert services["models"]["command"] == ["models", "prepare", "gemma3-270m"]
+    assert services["verifier"]["environment"]["TANDEM_TARGET"] == "gemma3-270m"
+    assert services["drafter"]["environment"]["TANDEM_DRAFTER_DRAFTER"] == "gemma3-270m"
