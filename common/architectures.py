@@ -117,7 +117,10 @@ def rope_kinds(cfg, head_dim: int) -> dict[str | None, tuple[torch.Tensor, float
         rope_type = p.get("rope_type", "default")
         if rope_type == "default":
             dim = int(head_dim * p.get("partial_rotary_factor", 1.0))
-            inv_freq = 1.0 / (p["rope_theta"] ** (
+            theta = p.get("rope_theta", getattr(cfg, "rope_theta", None))
+            if theta is None:
+                raise UnsupportedModel("config has no rope_theta")
+            inv_freq = 1.0 / (theta ** (
                 torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
             out[key] = (inv_freq, 1.0)
         else:
