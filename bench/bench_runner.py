@@ -1,7 +1,7 @@
 """LayerRangeRunner against transformers on the same threads, ragged batching, k-token verify.
 
     python -m bench.bench_runner [--reps N] [--steps N] [--context N] [--threads N] [--gemm]
-                                 [--quick] [--json PATH]
+                                 [--target DIR|GGUF|NAME] [--quick] [--json PATH]
 
 On cores shared with other busy processes, OpenMP's default spin-waiting makes every parallel
 region wait on descheduled threads (5-10x slower steps measured at load 7 on 2 cores); set
@@ -122,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=16, help="decode tokens (or verify calls) per rep")
     ap.add_argument("--context", type=int, default=128, help="prompt tokens before decoding")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    ap.add_argument("--target", default=None, help="HF target dir (default: the bundled one)")
+    ap.add_argument("--target", default=None, help="HF target dir, a GGUF (dequantised once) or a "
+                    "named model such as gemma3-270m (default: the bundled SmolLM2)")
     ap.add_argument("--gemm", action="store_true", help="also time the LM-head GEMM methods")
     ap.add_argument("--quick", action="store_true", help="3 reps, 8 steps")
     ap.add_argument("--json", default=None)

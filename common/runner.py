@@ -1,5 +1,6 @@
-"""LayerRangeRunner: runs any contiguous layer range [a, b) of a Llama model for a ragged batch of
-sessions, each with its own KV cache and its own number of new tokens (DySCo's dyForward).
+"""LayerRangeRunner: runs any contiguous layer range [a, b) of a decoder model (Llama, Mistral,
+Qwen2/3, Gemma 2/3, Phi-3: common/architectures.py) for a ragged batch of sessions, each with its
+own KV cache and its own number of new tokens (DySCo's dyForward).
 
 One runner serves the verifier ([0, L), many sessions, k draft tokens each), the prefix ([0, c))
 and the suffix ([c, L), sessions at different cuts, cascaded range by range within a step).
@@ -57,13 +58,19 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from common.architectures import (
+    ACTIVATIONS,
+    check_config,
+    family_of,
+    layer_plan,
+    rope_kinds,
+)
+
 # The row count oneDNN tunes its blocked weight layout for. Decode (1 row), ragged decode batches
 # and k-token verification (8) run at bandwidth speed with it. Prefill pays some: gate/up on 512
 # rows takes 8.0 ms in this layout vs 3.5 ms in one tuned for 512 (MKL: 8.6 ms); a whole 512-token
 # prefill still takes half of transformers' time (1.5 s vs 3.1 s, measured at load 6).
 PACK_ROWS = 8
-# RoPE types whose inverse frequencies do not depend on the sequence length.
-STATIC_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -134,15 +141,23 @@ class Segment:
     logits: str = "last"  # when b == L: "last" -> [1, V], "all" -> [n, V]; ignored when b < L
 
 
-def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    # Same operations, same order as transformers' LlamaRMSNorm (bitwise-equal results).
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, gemma: bool = False) -> torch.Tensor:
+    """RMSNorm as transformers computes it, bit for bit: Llama's `w * normed.to(dtype)`, or with
+    `gemma=True` Gemma's `(normed * (1 + w)).to(dtype)` in float32 (`w` then holds 1 + w)."""
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if gemma:
+        return (h * w).to(x.dtype)
     return w * h.to(x.dtype)
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on the last dimension (rotate-half layout). When cos is narrower than x (Phi-3's
+    partial_rotary_factor), only the leading cos.shape[-1] features rotate."""
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
+    half = rot // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
@@ -162,7 +177,13 @@ def _safetensors_index(model_dir: Path) -> dict[str, Path]:
 
 
 class LayerRangeRunner:
-    """Layers [lo, hi) of a Llama model (embeddings if lo == 0, final norm + LM head if hi == L)."""
+    """Layers [lo, hi) of a decoder-only model (embeddings if lo == 0, final norm + LM head if
+    hi == L), for the families in common/architectures.py.
+
+    The layer is exposed as public steps, which forward() composes and which the suffix's padded
+    executor (services/suffix/executor.py) reuses over its padded batch so both compute the same
+    layer: `rope_rows`, `attention_inputs`, `attend`, `layer_output`, `logits`, plus
+    `window(layer)` for sliding-window layers."""
 
     def __init__(self, model_dir: str | Path, layers: tuple[int, int] | None = None,
                  dtype: torch.dtype = torch.float32, threads: int | None = None,
@@ -170,19 +191,12 @@ class LayerRangeRunner:
         model_dir = Path(model_dir)
         self.device = resolve_device(device)
         raw = json.loads((model_dir / "config.json").read_text())
-        if raw.get("model_type") != "llama":
-            raise ValueError(f"LayerRangeRunner supports Llama models only; {model_dir} has "
-                             f"model_type {raw.get('model_type')!r}")
-        from transformers import LlamaConfig  # noqa: PLC0415
+        where = f"{model_dir}: "
+        self.family = fam = family_of(raw.get("model_type"), where)
+        from transformers import AutoConfig  # noqa: PLC0415
 
-        cfg = LlamaConfig.from_pretrained(str(model_dir))
-        if cfg.attention_bias or cfg.mlp_bias or cfg.hidden_act != "silu":
-            raise ValueError(f"{model_dir}: Llama variant not supported (attention_bias="
-                             f"{cfg.attention_bias}, mlp_bias={cfg.mlp_bias}, act={cfg.hidden_act})")
-        rope_type = cfg.rope_parameters.get("rope_type", "default")
-        if rope_type not in STATIC_ROPE_TYPES:
-            raise ValueError(f"{model_dir}: rope_type {rope_type!r} not supported "
-                             f"(one of {sorted(STATIC_ROPE_TYPES)})")
+        cfg = AutoConfig.from_pretrained(str(model_dir))
+        check_config(cfg, fam, where)
         if threads is not None:
             torch.set_num_threads(threads)
 
@@ -195,55 +209,93 @@ class LayerRangeRunner:
         self.n_heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.eps = cfg.rms_norm_eps
+        self.gemma_norm = fam.gemma_norm
+        self.act = ACTIVATIONS[getattr(cfg, fam.act_key)]
+        # None keeps SDPA's own 1/sqrt(head_dim) (what Llama-family models use)
+        self.attn_scale = cfg.query_pre_attn_scalar ** -0.5 if fam.pre_attn_scalar else None
+        self.attn_softcap = getattr(cfg, "attn_logit_softcapping", None)
+        self.final_softcap = getattr(cfg, "final_logit_softcapping", None)
+        # transformers multiplies by the scale cast to the weights' dtype
+        self.embed_scale = (torch.tensor(cfg.hidden_size ** 0.5, dtype=dtype)
+                            if fam.embed_scale else None)
+        self.plans = layer_plan(cfg)
         # oneDNN's blocked layout needs a CPU with the dtype's kernels; otherwise plain F.linear.
         self.prepack = prepack and self.device.type == "cpu" and (
             torch.backends.mkldnn.is_available()) and (
             dtype == torch.float32
             or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()))
 
-        if rope_type == "default":
-            inv_freq = 1.0 / (cfg.rope_parameters["rope_theta"] ** (
-                torch.arange(0, self.head_dim, 2, dtype=torch.float) / self.head_dim))
-            self.rope_scale = 1.0
-        else:
-            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: PLC0415
+        # RoPE kind -> (inv_freq, scale) and its cos/sin tables by position, grown on demand
+        self.rope = rope_kinds(cfg, self.head_dim)
+        self.rope_tables: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}
 
-            inv_freq, self.rope_scale = ROPE_INIT_FUNCTIONS[rope_type](cfg)
-        self.inv_freq = inv_freq
-        self.cos = self.sin = torch.empty(0, self.head_dim, dtype=dtype,
-                                          device=self.device)  # table by position
-
-        where = _safetensors_index(model_dir)
+        index = _safetensors_index(model_dir)
         from safetensors import safe_open  # noqa: PLC0415
 
         handles: dict[Path, object] = {}
 
         def get(name: str) -> torch.Tensor:
-            if name not in where:
+            if name not in index:
                 raise ValueError(f"{model_dir}: checkpoint lacks tensor {name}")
-            f = handles.get(where[name])
+            f = handles.get(index[name])
             if f is None:
-                f = handles[where[name]] = safe_open(str(where[name]), framework="pt")
+                f = handles[index[name]] = safe_open(str(index[name]), framework="pt")
             return f.get_tensor(name).to(device=self.device, dtype=dtype)
+
+        def norm(name: str) -> torch.Tensor:
+            w = get(name)
+            # Gemma's (1 + w) is computed in float32, as transformers does at every call
+            return (1.0 + w.float()) if fam.gemma_norm else w
+
+        def fused(prefix: str, parts: tuple[str, ...], fused_name: str, kind: str):
+            """One product over concatenated rows: the checkpoint's own fused tensor (Phi-3) or
+            the separate ones concatenated; biases where the checkpoint has them."""
+            if prefix + fused_name + "." + kind in index:
+                return get(prefix + fused_name + "." + kind)
+            names = [prefix + n + "." + kind for n in parts]
+            if kind == "bias" and not any(n in index for n in names):
+                return None
+            if kind == "bias":  # a bias on some parts only: zeros for the others
+                ws = [get(prefix + n + ".weight") for n in parts]
+                return torch.cat([get(b) if b in index else w.new_zeros(w.shape[0])
+                                  for b, w in zip(names, ws)])
+            return torch.cat([get(n) for n in names])
+
+        def bias(name: str) -> torch.Tensor | None:
+            return get(name) if name in index else None
 
         self.embed_w = get("model.embed_tokens.weight") if self.lo == 0 else None
         self.layers = []  # index l - lo
         for i in range(self.lo, self.hi):
             p = f"model.layers.{i}."
-            self.layers.append({
-                "in_norm": get(p + "input_layernorm.weight"),
-                "post_norm": get(p + "post_attention_layernorm.weight"),
-                # one product for q|k|v and one for gate|up: rows concatenated in that order
-                "qkv": self._pack(torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"])),
+            qkv_parts = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+            gu_parts = ("mlp.gate_proj", "mlp.up_proj")
+            w = {
+                "in_norm": norm(p + "input_layernorm.weight"),
+                # q|k|v rows in that order; gate|up rows in that order (Phi-3 stores them so)
+                "qkv": self._pack(fused(p, qkv_parts, "self_attn.qkv_proj", "weight")),
+                "qkv_b": fused(p, qkv_parts, "self_attn.qkv_proj", "bias"),
                 "o": self._pack(get(p + "self_attn.o_proj.weight")),
-                "gate_up": self._pack(torch.cat([get(p + "mlp.gate_proj.weight"),
-                                                 get(p + "mlp.up_proj.weight")])),
+                "o_b": bias(p + "self_attn.o_proj.bias"),
+                "gate_up": self._pack(fused(p, gu_parts, "mlp.gate_up_proj", "weight")),
+                "gate_up_b": fused(p, gu_parts, "mlp.gate_up_proj", "bias"),
                 "down": self._pack(get(p + "mlp.down_proj.weight")),
-            })
+                "down_b": bias(p + "mlp.down_proj.bias"),
+            }
+            if fam.sandwich_norms:
+                w["post_attn_norm"] = norm(p + "post_attention_layernorm.weight")
+                w["pre_mlp_norm"] = norm(p + "pre_feedforward_layernorm.weight")
+                w["post_mlp_norm"] = norm(p + "post_feedforward_layernorm.weight")
+            else:
+                w["pre_mlp_norm"] = norm(p + "post_attention_layernorm.weight")
+            if fam.qk_norm:
+                w["q_norm"] = norm(p + "self_attn.q_norm.weight")
+                w["k_norm"] = norm(p + "self_attn.k_norm.weight")
+            self.layers.append(w)
         if self.hi == L:
-            self.norm_w = get("model.norm.weight")
-            head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-            self.lm_head = self._pack(get(head))
+            self.norm_w = norm("model.norm.weight")
+            tied = cfg.tie_word_embeddings or "lm_head.weight" not in index
+            self.lm_head = self._pack(get("model.embed_tokens.weight" if tied else "lm_head.weight"))
         else:
             self.norm_w = self.lm_head = None
         handles.clear()
@@ -254,10 +306,15 @@ class LayerRangeRunner:
             return torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS)
         return w.contiguous()
 
-    def _linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ w.T (+ b) with a weight as stored by this runner (prepacked for oneDNN on CPU)."""
         if self.prepack:
-            return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-        return F.linear(x, w)
+            return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+        return F.linear(x, w, b)
+
+    def norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """This family's RMSNorm with a weight as stored by this runner."""
+        return rms_norm(x, w, self.eps, self.gemma_norm)
 
     # -- public API -------------------------------------------------------------------------
     def new_kv(self, lo: int = 0, hi: int | None = None) -> SessionKV:
@@ -266,24 +323,94 @@ class LayerRangeRunner:
             raise ValueError(f"new_kv: range [{lo}, {hi}) outside [0, {self.num_layers}]")
         return SessionKV(lo, hi, self.kv_heads, self.head_dim, self.dtype, self.device)
 
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        x = F.embedding(ids.long().to(self.device), self.embed_w)
+        return x if self.embed_scale is None else x * self.embed_scale
+
     def embed(self, token_ids) -> torch.Tensor:
+        """Layer-0 input for token ids (scaled where the family scales embeddings), on the CPU."""
         if self.embed_w is None:
             raise ValueError(f"runner holds layers [{self.lo}, {self.hi}): no embeddings")
-        ids = torch.as_tensor(token_ids, dtype=torch.long).to(self.device)
-        return F.embedding(ids, self.embed_w).cpu()
+        return self._embed(torch.as_tensor(token_ids, dtype=torch.long)).cpu()
 
-    def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin rows for `positions`, from a table grown geometrically. Each row is computed
-        with transformers' own elementwise ops, so indexing the table changes no bit."""
+    def window(self, layer: int) -> int | None:
+        """Sliding window of `layer` (a query at q sees keys in (q - window, q]) or None."""
+        return self.plans[layer].window
+
+    def rope_rows(self, positions: torch.Tensor) -> dict:
+        """Per RoPE kind, cos/sin rows [T, 1, rot] for `positions`, from tables grown
+        geometrically. Each row is computed with transformers' own elementwise ops, so indexing
+        a table changes no bit."""
         need = int(positions.max()) + 1
-        if need > self.cos.shape[0]:
-            n = max(need, 2 * self.cos.shape[0], 256)
-            freqs = torch.arange(n, dtype=torch.float)[:, None] * self.inv_freq.float()
-            emb = torch.cat((freqs, freqs), dim=-1)
-            self.cos = (emb.cos() * self.rope_scale).to(device=self.device, dtype=self.dtype)
-            self.sin = (emb.sin() * self.rope_scale).to(device=self.device, dtype=self.dtype)
         positions = positions.to(self.device)
-        return self.cos[positions], self.sin[positions]
+        out = {}
+        for key, (inv_freq, scale) in self.rope.items():
+            cos, sin = self.rope_tables.get(key, (None, None))
+            if cos is None or need > cos.shape[0]:
+                n = max(need, 2 * (cos.shape[0] if cos is not None else 0), 256)
+                freqs = torch.arange(n, dtype=torch.float)[:, None] * inv_freq.float()
+                emb = torch.cat((freqs, freqs), dim=-1)
+                cos = (emb.cos() * scale).to(device=self.device, dtype=self.dtype)
+                sin = (emb.sin() * scale).to(device=self.device, dtype=self.dtype)
+                self.rope_tables[key] = (cos, sin)
+            out[key] = (cos[positions][:, None], sin[positions][:, None])
+        return out
+
+    def attention_inputs(self, layer: int, x: torch.Tensor, rope: dict
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Input norm, q|k|v product (+ bias), q/k norms and RoPE for T rows of `layer`.
+        Returns q [T, heads, hd], k and v [T, kv_heads, hd]."""
+        w = self.layers[layer - self.lo]
+        T, nh, nkv, hd = x.shape[0], self.n_heads, self.kv_heads, self.head_dim
+        qkv = self.linear(self.norm(x, w["in_norm"]), w["qkv"], w["qkv_b"])
+        qk = qkv[:, : (nh + nkv) * hd].view(T, nh + nkv, hd)
+        if "q_norm" in w:
+            qk = torch.cat((self.norm(qk[:, :nh], w["q_norm"]),
+                            self.norm(qk[:, nh:], w["k_norm"])), dim=1)
+        cos, sin = rope[self.plans[layer].rope]
+        qk = apply_rope(qk, cos, sin)
+        return qk[:, :nh], qk[:, nh:], qkv[:, (nh + nkv) * hd:].view(T, nkv, hd)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               mask: torch.Tensor | None) -> torch.Tensor:
+        """Attention of q [B, heads, n, hd] over k, v [B, kv_heads, S, hd]; `mask` (bool, True =
+        visible, broadcastable to [B, heads, n, S]) or None. Gemma 2's logit soft-capping needs
+        the scores themselves, so it runs as transformers' eager attention does."""
+        if self.attn_softcap is None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.attn_scale,
+                                                  enable_gqa=True)
+        groups = self.n_heads // self.kv_heads
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        scale = self.attn_scale if self.attn_scale is not None else self.head_dim ** -0.5
+        s = torch.matmul(q, k.transpose(2, 3)) * scale
+        s = torch.tanh(s / self.attn_softcap) * self.attn_softcap
+        if mask is not None:
+            s = s.masked_fill(~mask, float("-inf"))
+        return torch.matmul(torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+    def layer_output(self, layer: int, x: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
+        """Residual stream after `layer` given its attention output att [T, heads * hd]:
+        output product, (Gemma's sandwich norms), MLP."""
+        w = self.layers[layer - self.lo]
+        a = self.linear(att, w["o"], w["o_b"])
+        if "post_attn_norm" in w:
+            a = self.norm(a, w["post_attn_norm"])
+        x = x + a
+        gu = self.linear(self.norm(x, w["pre_mlp_norm"]), w["gate_up"], w["gate_up_b"])
+        inter = gu.shape[1] // 2
+        m = self.linear(self.act(gu[:, :inter]) * gu[:, inter:], w["down"], w["down_b"])
+        if "post_mlp_norm" in w:
+            m = self.norm(m, w["post_mlp_norm"])
+        return x + m
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm, LM head and (Gemma 2) final soft-capping: float32 logits on the device."""
+        if self.lm_head is None:
+            raise ValueError(f"runner holds layers [{self.lo}, {self.hi}): no LM head")
+        out = self.linear(self.norm(h, self.norm_w), self.lm_head).float()
+        if self.final_softcap is not None:
+            out = torch.tanh(out / self.final_softcap) * self.final_softcap
+        return out
 
     def _check(self, segments: list[Segment], a: int, b: int) -> list[int]:
         """Validate a call; returns each segment's starting position."""
@@ -316,6 +443,19 @@ class LayerRangeRunner:
             starts.append(lens[0])
         return starts
 
+    def _session_mask(self, p: int, n: int, window: int | None) -> tuple[int, torch.Tensor | None]:
+        """For n new tokens at positions p..p+n-1: the first visible key and the mask over keys
+        [first, p + n) (None when every one of them is visible to every query)."""
+        first = 0 if window is None else max(0, p - window + 1)
+        if n == 1:
+            return first, None
+        keys = torch.arange(first, p + n, device=self.device)[None, :]
+        queries = torch.arange(p, p + n, device=self.device)[:, None]
+        visible = keys <= queries
+        if window is not None:
+            visible &= keys > queries - window
+        return first, visible
+
     @torch.inference_mode()
     def forward(self, segments: list[Segment], a: int, b: int) -> list[torch.Tensor]:
         """Run layers [a, b) for all segments as one ragged batch and append their K/V.
@@ -327,17 +467,17 @@ class LayerRangeRunner:
         sizes = [s.x.shape[0] for s in segments]
         dev = self.device
         if a == 0:
-            x = F.embedding(torch.cat([s.x for s in segments]).long().to(dev), self.embed_w)
+            x = self._embed(torch.cat([s.x for s in segments]))
         else:
             x = torch.cat([s.x.to(device=dev, dtype=self.dtype) for s in segments])
         T = x.shape[0]
-        positions = torch.cat([torch.arange(p, p + n) for p, n in zip(starts, sizes)]).to(dev)
-        cos, sin = self._rope_tables(positions)
-        cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
-        # A session with n > 1 new tokens needs the bottom-right causal mask over its
-        # start + n keys (query i sees keys <= start + i); a single token sees everything.
-        masks = [None if n == 1 else torch.ones(n, p + n, dtype=torch.bool, device=dev).tril(p)
-                 for p, n in zip(starts, sizes)]
+        positions = torch.cat([torch.arange(p, p + n) for p, n in zip(starts, sizes)])
+        rope = self.rope_rows(positions)
+        # Per distinct window of the layers run: each session's first visible key and mask
+        # (a session with n > 1 new tokens needs the bottom-right causal mask; one token sees
+        # every cached key, or the last `window` of them).
+        masks = {w: [self._session_mask(p, n, w) for p, n in zip(starts, sizes)]
+                 for w in {self.plans[layer].window for layer in range(a, b)}}
         offsets = [0]
         for n in sizes:
             offsets.append(offsets[-1] + n)
@@ -347,27 +487,21 @@ class LayerRangeRunner:
         for s, p, n in zip(segments, starts, sizes):
             for i in range(a - s.kv.lo, b - s.kv.lo):
                 s.kv._reserve(i, p + n)
-        nh, nkv, hd = self.n_heads, self.kv_heads, self.head_dim
-        nqk = (nh + nkv) * hd
+        nh, hd = self.n_heads, self.head_dim
         for layer in range(a, b):
-            w = self.layers[layer - self.lo]
-            h = _rms_norm(x, w["in_norm"], self.eps)
-            qkv = self._linear(h, w["qkv"])  # [T, (nh + 2 nkv) hd]: q | k | v
-            qkv[:, :nqk] = _rope(qkv[:, :nqk].view(T, nh + nkv, hd), cos, sin).view(T, nqk)
-            q = qkv[:, : nh * hd].view(T, nh, hd).transpose(0, 1)[None]   # [1, nh, T, hd]
-            kv_new = qkv[:, nqk - nkv * hd:].view(T, 2, nkv, hd).permute(1, 2, 0, 3)  # [2, nkv, T, hd]
+            q, k, v = self.attention_inputs(layer, x, rope)
+            q = q.transpose(0, 1)[None]                        # [1, nh, T, hd]
+            k, v = k.transpose(0, 1), v.transpose(0, 1)        # [nkv, T, hd]
             outs = []
-            for s, p, n, o, mask in zip(segments, starts, sizes, offsets, masks):
+            for s, p, n, o, (first, mask) in zip(segments, starts, sizes, offsets,
+                                                 masks[self.plans[layer].window]):
                 buf = s.kv.bufs[layer - s.kv.lo]
-                buf[:, :, p: p + n] = kv_new[:, :, o: o + n]
-                outs.append(F.scaled_dot_product_attention(
-                    q[:, :, o: o + n], buf[0:1, :, : p + n], buf[1:2, :, : p + n],
-                    attn_mask=mask, enable_gqa=True))
+                buf[0, :, p: p + n] = k[:, o: o + n]
+                buf[1, :, p: p + n] = v[:, o: o + n]
+                outs.append(self.attend(q[:, :, o: o + n], buf[0:1, :, first: p + n],
+                                        buf[1:2, :, first: p + n], mask))
             att = torch.cat(outs, dim=2)[0].transpose(0, 1).reshape(T, nh * hd)
-            x = x + self._linear(att, w["o"])
-            gu = self._linear(_rms_norm(x, w["post_norm"], self.eps), w["gate_up"])
-            inter = gu.shape[1] // 2
-            x = x + self._linear(F.silu(gu[:, :inter]) * gu[:, inter:], w["down"])
+            x = self.layer_output(layer, x, att)
         for s, p, n in zip(segments, starts, sizes):
             s.kv.lens[a - s.kv.lo: b - s.kv.lo] = [p + n] * (b - a)
 
@@ -375,6 +509,5 @@ class LayerRangeRunner:
             return list(x.cpu().split(sizes))
         rows = [torch.arange(o, o + n) if s.logits == "all" else torch.tensor([o + n - 1])
                 for s, o, n in zip(segments, offsets, sizes)]
-        h = _rms_norm(x[torch.cat(rows).to(dev)], self.norm_w, self.eps)
-        logits = self._linear(h, self.lm_head).float().cpu()
+        logits = self.logits(x[torch.cat(rows).to(dev)]).cpu()
         return list(logits.split([len(r) for r in rows]))

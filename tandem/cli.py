@@ -6,7 +6,8 @@
     tandem serve SERVICE ...    run one service in the foreground (what compose runs);
                                 `tandem serve api`: the OpenAI-compatible HTTP gateway
     tandem generate PROMPT ...  one request through the SDK [--json]
-    tandem models prepare|show  make the bundled target and drafter (once, cached) [--json]
+    tandem up --model NAME | --target PATH [--drafter GGUF]   serve another model (docs/models.md)
+    tandem models list|prepare [NAME]|check --target PATH [--drafter GGUF]|show  [--json]
     tandem link ...             the WAN emulator (common/wan_cli.py)
     tandem keys ...             CURVE key pairs for the edge-cloud links (tandem/keys.py)
     tandem bench ...            benchmarks (bench/)
@@ -38,18 +39,51 @@ def _available_services() -> list[str]:
 
 def cmd_models(args) -> int:
     from common import models  # noqa: PLC0415
+    if args.action == "list":
+        rows = [{"name": m.name, "description": m.description, "prepared": m.prepared(),
+                 "target": str(models.models_dir() / m.target_dir),
+                 "drafter": str(models.models_dir() / m.drafter_file)}
+                for m in models.NAMED.values()]
+        if args.json:
+            print(json.dumps(rows, indent=2))
+        else:
+            for r in rows:
+                print(f"{r['name']:14s} {'prepared' if r['prepared'] else 'not prepared':13s} "
+                      f"{r['description']}")
+        return 0
     if args.action == "prepare":
         try:
-            paths = models.prepare_all()
-            models.check_tokenizers(paths.target, paths.drafter)
+            name = args.name or models.DEFAULT_MODEL
+            if name == "bundled" or name in models.NAMED:
+                paths = models.prepare_all(name)
+            else:   # your own model (compose passes TANDEM_TARGET): a GGUF is dequantised once
+                paths = models.ModelPaths(models.resolve_target(name), None, None)
+            if paths.drafter is not None:
+                models.check_tokenizers(paths.target, paths.drafter)
         except models.ModelError as e:
             return _fail(args, "model", str(e))
         if args.json:
-            print(json.dumps({"target": str(paths.target), "drafter": str(paths.drafter),
-                              "drafter_ideal": str(paths.drafter_ideal)}))
+            print(json.dumps({"target": str(paths.target), "drafter": str(paths.drafter or ""),
+                              "drafter_ideal": str(paths.drafter_ideal or "")}))
         else:
-            print(f"target : {paths.target}\ndrafter: {paths.drafter}\n"
-                  f"drafter (near-ideal): {paths.drafter_ideal}")
+            print(f"target : {paths.target}")
+            if paths.drafter is not None:
+                print(f"drafter: {paths.drafter}\ndrafter (near-ideal): {paths.drafter_ideal}")
+        return 0
+    if args.action == "check":
+        try:
+            target = models.resolve_target(args.target or args.name)
+            drafter = models.resolve_drafter(args.drafter) if args.drafter else None
+            report = models.check_pair(target, drafter)
+        except models.ModelError as e:
+            return _fail(args, "model", str(e))
+        if args.json:
+            print(json.dumps(report, indent=2))
+        else:
+            print(f"target   : {target}\narch     : {report['family']} "
+                  f"({report['model_type']}, {report['layers']} layers): supported")
+            if drafter is not None:
+                print(f"drafter  : {drafter}\ntokenizer: {report['tokenizer']}")
         return 0
     p = models.default_paths()
     rows = [{"name": name, "path": str(path), "ok": path.exists()}
@@ -61,6 +95,32 @@ def cmd_models(args) -> int:
         for r in rows:
             print(f"{r['name']:14s} {'ok     ' if r['ok'] else 'missing'} {r['path']}")
     return 0
+
+
+def _select_model(args) -> tuple[Path, Path | None]:
+    """The target directory and drafter GGUF `up` serves, prepared when needed: --model NAME, or
+    --target PATH [--drafter GGUF], or the same from TANDEM_TARGET / TANDEM_DRAFTER_DRAFTER, or
+    the bundled model. A named target brings its own drafter; a GGUF target without a drafter
+    gets a Q4_0 re-quantisation of itself; an HF directory without one runs without a drafter
+    (no spec mode). Raises ModelError."""
+    from common import models  # noqa: PLC0415
+
+    if args.model and args.target:
+        raise models.ModelError("--model and --target are exclusive: a named model brings its "
+                                "own target and drafter")
+    target = args.model or args.target or os.environ.get("TANDEM_TARGET", "")
+    drafter = args.drafter or os.environ.get("TANDEM_DRAFTER_DRAFTER", "")
+    if not target or target == "bundled" or target in models.NAMED:
+        paths = models.prepare_all(target or models.DEFAULT_MODEL)
+        return paths.target, models.resolve_drafter(drafter) if drafter else paths.drafter
+    source = Path(target).expanduser()
+    target_dir = models.resolve_target(target)   # dequantises a GGUF once
+    if drafter:
+        return target_dir, models.resolve_drafter(drafter)
+    if source.suffix == ".gguf":
+        return target_dir, models.prepare_drafter(
+            source, models.models_dir() / f"{source.stem}-draft-q4_0.gguf")
+    return target_dir, None
 
 
 def _fail(args, code: str, message: str, hint: str = "", field: str = "") -> int:
@@ -81,7 +141,21 @@ def cmd_up(args) -> int:
         print("tandem is already running (`tandem status`, `tandem down`)", file=sys.stderr)
         return 1
     try:
-        cluster = planned(_available_services())
+        target, drafter = _select_model(args)
+        models.check_pair(target, drafter)
+    except models.ModelError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    services = [s for s in _available_services() if drafter is not None or s != "drafter"]
+    if drafter is None and args.mode == "spec":
+        print("error: spec mode needs a drafter: pass --drafter GGUF", file=sys.stderr)
+        return 1
+    # every service reads its model from these (common/config.py: TANDEM_<SERVICE>_<FIELD>
+    # wins over TANDEM_<FIELD>; the dispatcher's own `drafter` field is an endpoint)
+    model_env = {"TANDEM_TARGET": str(target),
+                 "TANDEM_DRAFTER_DRAFTER": str(drafter) if drafter is not None else None}
+    try:
+        cluster = planned(services, env=model_env)
     except (ValueError, SystemExit) as e:   # an override naming a core that is not usable
         return _fail(args, "config", str(e),
                      "check TANDEM_<SERVICE>_CPUS / TANDEM_<SERVICE>_THREADS")
@@ -95,12 +169,8 @@ def cmd_up(args) -> int:
               f"`tandem status` / `tandem down`, or stop the process that holds them "
               f"(`ss -ltnp`)", file=sys.stderr)
         return 1
-    try:
-        paths = models.prepare_all()
-        models.check_tokenizers(paths.target, paths.drafter)
-    except models.ModelError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    print(f"serving {target}" + (f" with drafter {drafter}" if drafter else " (no drafter)"),
+          flush=True)
     print(f"starting {', '.join(cluster.procs)} (logs in {run_dir()})", flush=True)
     print(cluster.describe(), flush=True)
     # SIGTERM stops the services like Ctrl-C does, from the first spawn on: a signal that came
@@ -118,7 +188,7 @@ def cmd_up(args) -> int:
         if "api" in cluster.procs:
             print(f"  OpenAI-compatible API: {cluster.endpoint('api')}/v1 (docs/api.md)",
                   flush=True)
-        _demo(cluster.endpoint("dispatcher"), args.mode)
+        _demo(cluster.endpoint("dispatcher"), args.mode, chat=_has_chat_template(target))
         if args.detach:
             detached = True
             print("running in the background; `tandem down` stops it")
@@ -171,15 +241,24 @@ def _listening(endpoint: str, timeout: float = 2.0) -> bool | None:
         return False
 
 
-def _demo(endpoint: str, mode: str, warmup: int = 2) -> None:
+def _has_chat_template(target: Path) -> bool:
+    """Whether the target's tokenizer carries a chat template (base models such as Gemma 3
+    270M do not: the demo then sends a plain prompt)."""
+    if (target / "chat_template.jinja").is_file():
+        return True
+    cfg = target / "tokenizer_config.json"
+    return cfg.is_file() and bool(json.loads(cfg.read_text()).get("chat_template"))
+
+
+def _demo(endpoint: str, mode: str, warmup: int = 2, chat: bool = True) -> None:
     """Warm up first (first-call costs: oneDNN weight packing, llama.cpp graph allocation,
     the drafter's first context), then stream the demo and print steady-state figures."""
     from tandem import Client  # noqa: PLC0415
     print(f"\ndemo ({mode}): {DEMO_PROMPT}\n", flush=True)
     with Client(endpoint) as c:
         for _ in range(warmup):
-            c.complete(DEMO_PROMPT, mode=mode, chat=True, max_tokens=16)
-        for chunk in c.generate(DEMO_PROMPT, mode=mode, chat=True, max_tokens=64):
+            c.complete(DEMO_PROMPT, mode=mode, chat=chat, max_tokens=16)
+        for chunk in c.generate(DEMO_PROMPT, mode=mode, chat=chat, max_tokens=64):
             print(chunk.text, end="", flush=True)
         print()
         print(_stats_line(c.last_result.stats) + f" (after {warmup} warm-up requests)",
@@ -330,6 +409,12 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--mode", default=os.environ.get("TANDEM_DEMO_MODE", "auto"),
                     help="demo mode: spec | split | cloud-only | auto")
     up.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for readiness")
+    up.add_argument("--model", default="", help="a named model (`tandem models list`): "
+                    "smollm2-135m (default) or gemma3-270m; prepared on first use")
+    up.add_argument("--target", default="", help="your own target: a Hugging Face directory or "
+                    "a GGUF (dequantised once into models/); docs/models.md")
+    up.add_argument("--drafter", default="", help="the drafter GGUF for --target (must share its "
+                    "tokenizer); for a GGUF target, default: a Q4_0 re-quantisation of it")
     sub.add_parser("down", help="stop the services started by `up --detach`")
     st = sub.add_parser("status", help="health of the local services")
     st.add_argument("--json", action="store_true")
@@ -353,8 +438,12 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--chat", action="store_true", help="apply the chat template")
     g.add_argument("--deadline", type=float, default=None, help="seconds")
     g.add_argument("--json", action="store_true", help='print {"mode","token_ids","text","stats"}')
-    m = sub.add_parser("models", help="prepare or show the bundled models")
-    m.add_argument("action", choices=["prepare", "show"])
+    m = sub.add_parser("models", help="list, prepare, check or show models (docs/models.md)")
+    m.add_argument("action", choices=["list", "prepare", "check", "show"])
+    m.add_argument("name", nargs="?", default="", help="prepare: a named model (default "
+                   "smollm2-135m), a GGUF to dequantise or an HF directory; check: the target")
+    m.add_argument("--target", default="", help="check: an HF directory, a GGUF or a name")
+    m.add_argument("--drafter", default="", help="check: a drafter GGUF (or a name)")
     m.add_argument("--json", action="store_true", help="machine-readable paths (and status)")
     sub.add_parser("link", help="WAN emulator (see `tandem link --help`)", add_help=False)
     sub.add_parser("bench", help="benchmarks (see `tandem bench --help`)", add_help=False)
@@ -371,7 +460,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "up":
         if args.mode == "auto":
             root = Path(__file__).resolve().parent.parent / "services" / "dispatcher"
-            ready = "drafter" in _available_services() and (root / "spec_mode.py").is_file()
+            ready = ("drafter" in _available_services() and (root / "spec_mode.py").is_file()
+                     and (args.drafter or not args.target or args.target.endswith(".gguf")))
             args.mode = "spec" if ready else "cloud-only"
         return cmd_up(args)
     return {"down": cmd_down, "status": cmd_status, "generate": cmd_generate,

@@ -537,7 +537,7 @@ def test_compose_config_profiles(name):
     services = cfg["services"]
     assert set(services) == expected
     models = services["models"]
-    assert models["command"] == ["models", "prepare"]
+    assert models["command"] == ["models", "prepare", "bundled"]   # or ${TANDEM_TARGET}
     assert models["restart"] == "no"
     assert any(v["target"] == "/models" and not v.get("read_only") for v in models["volumes"])
     for svc in set(SERVICES) & set(services):

@@ -56,6 +56,11 @@ class Dispatcher(Service):
                                                for name, m in self.modes.items()})
 
     # --- client requests ----------------------------------------------------------------------
+    def need_chat_template(self, field: str) -> None:
+        if not getattr(self.tokenizer, "chat_template", None):   # e.g. a base model
+            raise ProtocolError(protocol.BAD_FIELD, f"{field}: this model has no chat template; "
+                                "send a plain prompt", field=field)
+
     def prompt_ids(self, msg: protocol.GenerateRequest) -> list[int]:
         if msg.messages is not None and (msg.prompt or msg.token_ids is not None):
             raise ProtocolError(protocol.BAD_FIELD, "messages: send a prompt, token_ids or "
@@ -67,8 +72,10 @@ class Dispatcher(Service):
                 raise ProtocolError(protocol.BAD_FIELD, f"token ids outside the vocabulary: {bad[:5]}",
                                     field="token_ids")
         elif msg.messages is not None:
+            self.need_chat_template("messages")
             ids = chat.render_ids(self.tokenizer, chat.normalize(msg.messages, len(msg.messages)))
         elif msg.chat:
+            self.need_chat_template("chat")
             ids = chat.render_ids(self.tokenizer, [{"role": "user", "content": msg.prompt}])
         else:
             ids = self.tokenizer.encode(msg.prompt)

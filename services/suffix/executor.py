@@ -20,8 +20,9 @@ Two ways to run a multi-session call:
 Step breakdown (seconds, `StepResult.seconds`): `private` = calls holding only part of the
 window (dsb's [c, d) advances, cascade's early ranges, exact's per-cut groups), `shared` =
 calls holding every session of the window, `merge` = padded merge + split. The padded path uses
-the runner's weights and layer helpers directly (common/runner.py), so it computes exactly the
-layer the runner computes, only over a padded batch.
+the runner's public layer steps (attention_inputs, attend, layer_output, logits in
+common/runner.py), so it computes exactly the layer the runner computes, for every architecture,
+only over a padded batch.
 """
 
 from __future__ import annotations
@@ -30,9 +31,8 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
-from common.runner import LayerRangeRunner, Segment, SessionKV, _rms_norm, _rope
+from common.runner import LayerRangeRunner, Segment, SessionKV
 from services.suffix.planning import Call
 
 PHASES = ("private", "shared", "merge")
@@ -107,14 +107,17 @@ def padded_forward(runner: LayerRangeRunner, kvs: list[SessionKV], xs: list[torc
         starts.append(lens[0])
     B, P = len(kvs), max(starts)
     nh, nkv, hd = runner.n_heads, runner.kv_heads, runner.head_dim
-    nqk = (nh + nkv) * hd
     dtype, dev = runner.dtype, runner.device
     x = torch.cat([x.to(device=dev, dtype=dtype) for x in xs])     # [B, hidden]
     pos = torch.tensor(starts, device=dev)
-    cos, sin = runner._rope_tables(pos)
-    cos, sin = cos[:, None], sin[:, None]
+    rope = runner.rope_rows(pos)
     pad = P - pos                                                   # left padding per row
-    mask = (torch.arange(P + 1, device=dev)[None, :] >= pad[:, None])[:, None, None, :]  # [B, 1, 1, P+1]
+    cols = torch.arange(P + 1, device=dev)[None, :]
+    mask = (cols >= pad[:, None])[:, None, None, :]                 # [B, 1, 1, P+1]
+    # Sliding-window layers: padded column j holds position j - pad, the query position P - pad,
+    # so "key within the window" is the same j > P - window for every row.
+    windowed = {w: mask & (cols > P - w)[:, None, None, :]
+                for w in {runner.window(layer) for layer in range(a, b)} if w is not None}
     merge_s = compute_s = 0.0
     for layer in range(a, b):
         t0 = time.perf_counter()
@@ -128,25 +131,19 @@ def padded_forward(runner: LayerRangeRunner, kvs: list[SessionKV], xs: list[torc
                 k[i, :, P - p: P] = buf[0, :, :p]
                 v[i, :, P - p: P] = buf[1, :, :p]
         t1 = time.perf_counter()
-        w = runner.layers[layer - runner.lo]
-        hn = _rms_norm(x, w["in_norm"], runner.eps)
-        qkv = runner._linear(hn, w["qkv"])                          # [B, (nh + 2 nkv) hd]
-        qkv[:, :nqk] = _rope(qkv[:, :nqk].view(B, nh + nkv, hd), cos, sin).view(B, nqk)
-        q = qkv[:, : nh * hd].view(B, nh, 1, hd)
-        new = qkv[:, nqk - nkv * hd:].view(B, 2, nkv, hd)
-        k[:, :, P] = new[:, 0]
-        v[:, :, P] = new[:, 1]
-        att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-        x = x + runner._linear(att.reshape(B, nh * hd), w["o"])
-        gu = runner._linear(_rms_norm(x, w["post_norm"], runner.eps), w["gate_up"])
-        inter = gu.shape[1] // 2
-        x = x + runner._linear(F.silu(gu[:, :inter]) * gu[:, inter:], w["down"])
+        q, k_new, v_new = runner.attention_inputs(layer, x, rope)   # [B, nh|nkv, hd]
+        k[:, :, P] = k_new
+        v[:, :, P] = v_new
+        w = runner.window(layer)
+        att = runner.attend(q[:, :, None], k, v, mask if w is None else windowed[w])
+        x = runner.layer_output(layer, x, att.reshape(B, nh * hd))
         t2 = time.perf_counter()
         # split: each session's new K/V back into its own cache
         for i, (kv, p) in enumerate(zip(kvs, starts)):
             j = layer - kv.lo
             buf = kv._reserve(j, p + 1)
-            buf[:, :, p] = new[i]
+            buf[0, :, p] = k_new[i]
+            buf[1, :, p] = v_new[i]
             kv.lens[j] = p + 1
         t3 = time.perf_counter()
         merge_s += (t1 - t0) + (t3 - t2)
@@ -155,7 +152,6 @@ def padded_forward(runner: LayerRangeRunner, kvs: list[SessionKV], xs: list[torc
     if b < runner.num_layers:
         outs = list(x.cpu().split(1))
     else:
-        logits = runner._linear(_rms_norm(x, runner.norm_w, runner.eps), runner.lm_head).float()
-        outs = list(logits.cpu().split(1))
+        outs = list(runner.logits(x).cpu().split(1))
     compute_s += time.perf_counter() - t
     return outs, merge_s, compute_s
