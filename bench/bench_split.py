@@ -335,7 +335,7 @@ def section_single(a, logdir):
 @torch.inference_mode()
 def section_wire(a, runner, tok):
     """Greedy tokens with the cut hidden state rounded to float16 / bfloat16, every cut, vs the
-    float32 split (which equals the full model: tests/test_split_executor.py)."""
+    float32 split (which equals the full model: tests/unit/test_split_executor.py)."""
     from services.prefix.service import run_prefixes  # noqa: PLC0415
     from services.suffix.executor import Item, execute  # noqa: PLC0415
     from services.suffix.planning import Request, plan_window  # noqa: PLC0415

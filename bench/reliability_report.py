@@ -4,7 +4,7 @@
     python -m bench.reliability_report --slow     # + the full chaos sweep, long load, 300-example fuzz, atheris
     python -m bench.reliability_report --render   # only re-render from the last run's figures
 
-The tests (tests/test_chaos.py, test_partitions.py, test_faults.py, test_load.py, test_fuzz.py, test_security.py)
+The tests (tests/integration/test_chaos.py, test_partitions.py, test_faults.py, test_load.py, test_fuzz.py, test_security.py)
 write one JSON per section into $TANDEM_RELIABILITY_DIR; this script points that at its own
 directory (run/reliability-report/), clears it, runs pytest, and writes the page from what the
 tests measured — no figure on the page is typed by hand. Exit status: pytest's.
@@ -24,8 +24,8 @@ from pathlib import Path
 from bench.report import machine
 from common.models import repo_root
 
-TESTS = ["tests/test_chaos.py", "tests/test_partitions.py", "tests/test_faults.py",
-         "tests/test_load.py", "tests/test_fuzz.py", "tests/test_security.py"]
+TESTS = ["tests/integration/test_chaos.py", "tests/integration/test_partitions.py", "tests/integration/test_faults.py",
+         "tests/integration/test_load.py", "tests/integration/test_fuzz.py", "tests/integration/test_security.py"]
 SECTIONS = ("chaos", "partitions", "faults", "load", "fuzz", "security")
 
 
@@ -141,7 +141,7 @@ def render(d: dict) -> str:
     L.append("")
 
     # --- chaos
-    L += ["## WAN chaos (tests/test_chaos.py)", "",
+    L += ["## WAN chaos (tests/integration/test_chaos.py)", "",
           "The dispatcher reaches the verifier (cloud-only, spec) and the suffix (split) through "
           "the WAN emulator (common/wan.py); two greedy sessions run per condition. *recover* = fault injected to the next token at "
           "the client; *longest gap* = longest silence between two tokens. Replays (reasons: "
@@ -170,7 +170,7 @@ def render(d: dict) -> str:
     # --- partitions and degraded mode
     parts = d.get("partitions") or {}
     if parts:
-        L += ["## Partitions and degraded mode (tests/test_partitions.py)", ""]
+        L += ["## Partitions and degraded mode (tests/integration/test_partitions.py)", ""]
         for name, v in parts.items():
             k = v.get("kind")
             if k == "wait":
@@ -193,7 +193,7 @@ def render(d: dict) -> str:
         L.append("")
 
     # --- faults
-    L += ["## Process faults (tests/test_faults.py)", "",
+    L += ["## Process faults (tests/integration/test_faults.py)", "",
           "SIGKILL mid-generation, then restart. Sessions are replayed from their committed "
           "tokens on the restarted (or another) replica and finish with the reference output.", ""]
     rows = []
@@ -211,7 +211,7 @@ def render(d: dict) -> str:
     L.append("")
 
     # --- load
-    L += ["## Load (tests/test_load.py)", ""]
+    L += ["## Load (tests/integration/test_load.py)", ""]
     for name, v in load_.items():
         if name.startswith("burst"):
             L += [f"Burst of {v['requests']} requests at once against `max_sessions` = "
@@ -240,7 +240,7 @@ def render(d: dict) -> str:
           "peak.", ""]
 
     # --- fuzz
-    L += ["## Bad input (tests/test_fuzz.py, fuzz/)", ""]
+    L += ["## Bad input (tests/integration/test_fuzz.py, fuzz/)", ""]
     if fz:
         L += [f"Hypothesis, {fz['examples_per_property']} examples per property × "
               f"{fz['properties']} properties (garbage frames, random msgpack headers, real "
@@ -287,7 +287,7 @@ def render(d: dict) -> str:
               f"Poisoned SDK arguments (temperature, top_p, top_k, max_tokens, deadline_s, "
               f"seed, cut), by outcome: {_fmt(sem['sdk_arguments'])}. One poisoned session's "
               "fault inside a batch (forward or sampling) ends only that session: "
-              "tests/test_containment.py.", ""]
+              "tests/unit/test_containment.py.", ""]
     for name, v in fuzz.items():
         if name.startswith("atheris"):
             L += [f"{name}: {v['runs']} inputs in {v['seconds']} s, findings: "
@@ -303,7 +303,7 @@ def render(d: dict) -> str:
           "follows the loop's heartbeat).", ""]
 
     # --- security
-    L += ["## Security (tests/test_security.py)", ""]
+    L += ["## Security (tests/integration/test_security.py)", ""]
     rows = []
     v = sec.get("CURVE dispatcher->verifier")
     if v:

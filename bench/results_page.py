@@ -398,7 +398,7 @@ def main(argv=None) -> int:
              "are the policies' against each other. In split mode the cloud is one CPU core, "
              "where batching gains less than on a GPU, so FIFO's handicap is smaller than in "
              "DySCo's tables. `tandem bench spec|split|tuner|overhead|defaults --quick` runs a small "
-             "version of each (tests/test_bench.py runs them in CI).", ""]
+             "version of each (tests/integration/test_bench.py runs them in CI).", ""]
     for f in files:
         doc = json.loads(f.read_text())
         m = doc.get("machine", {})

@@ -1,5 +1,5 @@
 """Traffic in every mode through the SDK, for the dashboards: what `bench/dashboard_snapshots.py`
-renders and what tests/test_observability.py checks every panel against.
+renders and what tests/integration/test_observability.py checks every panel against.
 
 It lives here, not in common/: it is a client of the whole stack (tandem's SDK), and common/ is
 the layer below the services and the SDK.

@@ -46,7 +46,7 @@ class Family:
     act_key: str = "hidden_act"     # config attribute naming the MLP activation
 
 
-# model_type (config.json) -> family. The tiny-model tests in tests/test_architectures.py check
+# model_type (config.json) -> family. The tiny-model tests in tests/unit/test_architectures.py check
 # each one against transformers' own implementation.
 FAMILIES: dict[str, Family] = {
     "llama": Family("Llama"),

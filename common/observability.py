@@ -1,6 +1,6 @@
 """Tandem observed end to end: the Grafana dashboards' PromQL, a real Prometheus, real traffic.
 
-Used by the deployment tests (tests/test_deploy.py: synthetic exporter; tests/test_observability.py:
+Used by the deployment tests (tests/integration/test_deploy.py: synthetic exporter; tests/integration/test_observability.py:
 the running services) and by the dashboard screenshots (`python -m bench.dashboard_snapshots`):
 
 * `dashboard_queries()` / `variable_queries()` — every panel expression and template variable of

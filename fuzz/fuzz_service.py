@@ -1,5 +1,5 @@
 """Coverage-guided fuzzing (atheris / libFuzzer) of Tandem's message path, for runs longer than
-the test suite's (tests/test_fuzz.py runs a bounded one under `-m slow`).
+the test suite's (tests/integration/test_fuzz.py runs a bounded one under `-m slow`).
 
     python fuzz/fuzz_service.py decode   [libFuzzer flags, e.g. -max_total_time=600 corpus/]
     python fuzz/fuzz_service.py verifier [...]     # or drafter, prefix, suffix, dispatcher

@@ -61,7 +61,7 @@ fi
 
 say "preparing the bundled models"
 .venv/bin/tandem models prepare
-# The second model family (docs/models.md): its tests (tests/test_gemma3_270m*.py) need it prepared.
+# The second model family (docs/models.md): its tests (tests/unit/test_gemma3_270m.py, tests/integration/test_gemma3_270m_modes.py) need it prepared.
 # Users get it on first `tandem up --model gemma3-270m`.
 if [[ $DEV == 1 ]]; then
   say "preparing gemma3-270m (second model family, for the tests)"

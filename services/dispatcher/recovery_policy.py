@@ -3,7 +3,7 @@ replay it, give up, or let the error through — and which replicas a replay may
 
 services/dispatcher/recovery.py does the I/O (reconnecting, replaying); it asks `decide` after
 every failure and `ReplicaHealth` before choosing a replica, passing the time in. So every rule
-here is unit-tested without processes (tests/test_recovery_policy.py).
+here is unit-tested without processes (tests/unit/test_recovery_policy.py).
 
 Rules
 * Only a failure that a replay can cure is retried: the replica went down (`unavailable`),

@@ -12,7 +12,7 @@ where `create_completion(logprobs=...)` is ~6x slower per token. Each session ow
 never depend on timing), reads the last logits row and appends one draft token. `rollback(keep, append)` truncates the KV cache to
 `keep` tokens (`llama_memory_seq_rm`) and appends the target's token; the next step re-evaluates
 from there, so drafts after a rollback are exactly those of a session that never drafted past
-`keep` (tests/test_drafter.py checks it).
+`keep` (tests/integration/test_drafter.py checks it).
 
 Greedy: the draft is the argmax; P(D_n) its softmax probability. Sampling: the draft is drawn
 from a *truncated* distribution q (temperature, then the top-k with k <= 64, then top-p), and q
@@ -53,7 +53,7 @@ def _fix_mmap_threshold() -> None:
     raises its mmap threshold to the size of each large block freed, so after the first close the
     next contexts' buffers come from the heap instead of mmap, and a heap fragmented by contexts of
     different sizes never shrinks: under steady load the drafter's RSS crept up by hundreds of MB
-    (tests/test_load.py). A fixed threshold sends every large buffer back to the OS at close."""
+    (tests/integration/test_load.py). A fixed threshold sends every large buffer back to the OS at close."""
     try:
         libc = ctypes.CDLL("libc.so.6")
         libc.mallopt(-3, 128 * 1024)   # M_MMAP_THRESHOLD; a fixed value turns the adjustment off

@@ -1,7 +1,7 @@
 """Accept or reject one draft token against the target's logits (DESIGN.md §3, Verification).
 
 Pure functions on one position at a time; no model, no session state, so they are tested alone
-(tests/test_spec_verify.py) and the verifier's sessions only decide *which* position to check.
+(tests/unit/test_spec_verify.py) and the verifier's sessions only decide *which* position to check.
 
 * Greedy: the target's token is its argmax; the draft is accepted iff it is that token.
 * Sampling: exact speculative sampling (Leviathan et al. 2023; Chen et al. 2023). With p the

@@ -9,7 +9,7 @@ and dsb schedulers, cuts 4 and 12), and one invalid request. Then
   every dashboard variable returns data: at least one series with a finite value;
 * `promtool check metrics` finds nothing to say about any service's /metrics output.
 
-tests/test_deploy.py runs the same panel check against synthetic samples of every metric.
+tests/integration/test_deploy.py runs the same panel check against synthetic samples of every metric.
 """
 
 from __future__ import annotations

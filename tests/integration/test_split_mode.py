@@ -2,7 +2,7 @@
 loopback. Greedy output must equal transformers' generate(do_sample=False) token for token, for
 every cut tried and every scheduler; bad input gets a clear error and disturbs nobody else.
 
-The executor-level suite (tests/test_split_executor.py) covers every cut 1..L-1 x every scheduler;
+The executor-level suite (tests/unit/test_split_executor.py) covers every cut 1..L-1 x every scheduler;
 here a subset of cuts runs through the real services."""
 
 from __future__ import annotations

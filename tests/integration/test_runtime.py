@@ -327,8 +327,8 @@ def test_a_service_whose_loop_died_exits_non_zero(tmp_path):
     script = tmp_path / "svc.py"
     script.write_text(f"""
 import asyncio, sys
-sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})
-from tests.test_runtime import Looping, cfg
+sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})
+from tests.integration.test_runtime import Looping, cfg
 
 class Dies(Looping):
     async def setup(self):

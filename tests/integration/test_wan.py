@@ -28,7 +28,7 @@ from common import wan_cli
 from common.wan import SCENARIOS, LinkShape, Schedule, Step, WanControl, WanProxy, s4_schedule
 
 HOST = "127.0.0.1"
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def arun(coro, timeout: float = 20.0, loop: str = "asyncio"):

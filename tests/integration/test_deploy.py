@@ -12,7 +12,7 @@
 Each tool-based test skips, saying why, when its tool is missing (under CI=true it fails
 with the install hint instead: tests/conftest.need_tool).  The dashboard and Prometheus
 helpers live in common/observability.py, shared with the live test that scrapes the running
-services (tests/test_observability.py) and the dashboard screenshots (bench/dashboard_snapshots.py).
+services (tests/integration/test_observability.py) and the dashboard screenshots (bench/dashboard_snapshots.py).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from common.observability import (DASHBOARDS, dashboard_queries, evaluate_panels
                                   prometheus_query, render_expr, run_prometheus, variable_queries)
 from tests.conftest import need_tool
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose.yaml"
 COMPOSE_GPU = ROOT / "compose.gpu.yaml"
 DOCKERFILE = ROOT / "Dockerfile"

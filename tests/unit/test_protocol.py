@@ -104,7 +104,7 @@ def test_bad_tensors():
 
 def test_no_pickle_anywhere():
     import pathlib
-    root = pathlib.Path(__file__).resolve().parent.parent
+    root = pathlib.Path(__file__).resolve().parents[2]
     for path in list((root / "common").rglob("*.py")) + list((root / "services").rglob("*.py")) \
             + list((root / "tandem").rglob("*.py")):
         text = path.read_text()

@@ -30,7 +30,7 @@ from services.dispatcher.dp_batching import BatchPlanner
 from services.dispatcher.nav_trigger import DraftWindow, NavConfig, make_trigger
 from services.verifier.spec import SpecSession
 from tests.conftest import PROMPTS, forwards_over_one_session, long_prompt
-from tests.test_spec_verify import V, FakeKV, target_greedy, target_logits
+from tests.unit.test_spec_verify import V, FakeKV, target_greedy, target_logits
 
 # --- 1. simulation ------------------------------------------------------------------------------
 

@@ -92,7 +92,7 @@ def test_demo_sends_chat_only_where_the_model_has_a_template(model_paths, tmp_pa
 def test_compose_selects_the_model_through_the_environment():
     """compose: TANDEM_TARGET names the model the one-shot `models` job prepares and every
     service serves; TANDEM_DRAFTER_MODEL reaches the drafter's own `drafter` field."""
-    from tests.test_deploy import compose_config
+    from tests.integration.test_deploy import compose_config
     cfg = compose_config(("edge", "cloud"), env={"TANDEM_TARGET": "gemma3-270m",
                                                  "TANDEM_DRAFTER_MODEL": "gemma3-270m"})
     services = cfg["services"]

@@ -14,7 +14,7 @@ from common import resources
 from common.resources import describe, format_cpus, parse_cpus, plan, usable_cpus
 
 ALL = ("verifier", "drafter", "prefix", "suffix", "dispatcher")
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def cores(p):
