@@ -39,6 +39,7 @@ class ServiceConfig:
     max_tokens: int = 4096                   # wire limit: token ids per message
     max_prompt_tokens: int = 8192            # longest prompt a session may open with
     handshake_s: float = 30.0         # a peer that has not finished the ZMQ handshake by then is dropped
+    drain_s: float = 10.0             # on SIGTERM: not ready, no new sessions, this long for open ones to finish; the rest are handed back (`unavailable`, replayed elsewhere), then exit
     # --- CURVE on ZMQ links (common/security.py; keys from `tandem keys`); empty = plaintext ---
     curve_secret_key: str = ""        # this service's NAME.key_secret: bind as a CURVE server
     curve_allow_dir: str = ""         # directory of client public keys (NAME.key) allowed to connect

@@ -40,6 +40,10 @@ RECONNECT_MS = 100       # first reconnect attempt after a drop
 RECONNECT_MAX_MS = 2000  # backoff cap between reconnect attempts
 HEARTBEAT_RID = 0        # request id reserved for heartbeats; real requests start at 1
 LOOP_BEAT_S = 1.0        # an idle service loop still beats this often (see Service.idle)
+# Messages that open a session: refused (`unavailable`, replayed on another replica by the
+# dispatcher) while a service drains; retries of an open already done still pass.
+OPENS = (protocol.CloudGenerate, protocol.SpecOpen, protocol.SuffixOpen, protocol.PrefixOpen,
+         protocol.DraftOpen, protocol.GenerateRequest)
 LOOP_STALL_S = 120.0     # a loop silent this long is stalled: /readyz fails. Far above the longest
                          # single step (a max_prompt_tokens prefill on a 2-core CPU takes ~30 s)
 
@@ -84,6 +88,8 @@ class Service:
         self._reaping = cfg.peer_idle_timeout_s > 0
         self.beats: dict[str, float] = {}      # service loop -> its last heartbeat (monotonic)
         self.failure = ""                      # why a loop the service needs ended: exit non-zero
+        self.draining = False                  # SIGTERM: finishing open sessions, admitting none
+        self._routes: dict[str, tuple[bytes, int]] = {}   # session id -> (identity, rid) last used
         self.route(protocol.Ping, self._on_ping)
 
     # --- for subclasses -----------------------------------------------------------------------
@@ -109,6 +115,15 @@ class Service:
         session, then Ack — also for one already gone, so a retried Close is answered."""
         await self.drop_session(msg.sid)
         await self.send(ident, protocol.Ack(sid=msg.sid, seq=msg.seq, rid=msg.rid))
+
+    def load(self) -> tuple[int, int, int]:
+        """(sessions held, tokens queued for a forward, KV bytes held): reported in every Pong
+        for placement across replicas; services with an engine override it."""
+        return len(list(self.open_sessions())), 0, 0
+
+    def in_flight(self) -> int:
+        """Work a drain waits for (open sessions by default)."""
+        return len(list(self.open_sessions()))
 
     def peer(self, name: str, endpoint: str) -> "Peer":
         p = Peer(self.ctx, endpoint, name=name, owner=self.name,
@@ -195,6 +210,8 @@ class Service:
         """"" when ready; else what is wrong, for /readyz, Pong and `tandem status`."""
         if self.failure:
             return f"failed: {self.failure}"
+        if self.draining:
+            return "draining"
         if not self.ready:
             return "loading"
         now = time.monotonic()
@@ -242,8 +259,11 @@ class Service:
 
     # --- the loop -----------------------------------------------------------------------------
     async def _on_ping(self, ident: bytes, msg: Msg, frames: list) -> None:
+        sessions, queued, kv = self.load() if self.ready else (0, 0, 0)
         await self.send(ident, protocol.Pong(rid=msg.rid, t=msg.t, service=self.name,
-                                             ready=not self.not_ready_reason()))
+                                             ready=not self.not_ready_reason(),
+                                             sessions=sessions, queued_tokens=queued,
+                                             kv_bytes=kv, admitting=not self.draining))
 
     async def _dispatch(self, ident: bytes, frames: list) -> None:
         try:
@@ -260,6 +280,13 @@ class Service:
         metrics.MESSAGES.labels(self.name, msg.__struct_config__.tag).inc()
         if self._reaping and msg.sid and not isinstance(msg, (protocol.Ping, protocol.Close)):
             self._owners[msg.sid] = ident   # replies, and the session's life, follow its client
+        if msg.sid and not isinstance(msg, (protocol.Ping, protocol.Close)):
+            self._routes[msg.sid] = (ident, msg.rid)   # where a drain hands the session back
+            if self.draining and isinstance(msg, OPENS) and msg.sid not in set(self.open_sessions()):
+                await self.error(ident, msg, protocol.UNAVAILABLE,
+                                 f"{self.name} is draining (shutting down): open the session "
+                                 f"on another replica")
+                return
         handler = self.handlers.get(type(msg))
         if not self.ready and handler is not None and not isinstance(msg, (protocol.Ping,
                                                                            protocol.Close)):
@@ -393,6 +420,53 @@ class Service:
         if self.stopping is not None:
             self.stopping.set()
 
+    def terminate(self) -> None:
+        """SIGTERM: drain (a second SIGTERM, or SIGINT, stops at once)."""
+        if self.draining or not self.ready or self.cfg.drain_s <= 0:
+            self.stop()
+            return
+        self.draining = True
+        self.spawn(self._drain())
+
+    async def _drain(self) -> None:
+        """Not ready (/readyz 503, Pong ready=False and admitting=False, so dispatchers place no
+        new session here), new opens refused `unavailable`; open sessions get `drain_s` to
+        finish; those left are handed back — an `unavailable` error on their channel, which the
+        dispatcher replays on another replica from the tokens it committed — then exit."""
+        self.log.warning("%s draining: %d session(s) open, up to %.1f s to finish", self.name,
+                         self.in_flight(), self.cfg.drain_s)
+        end = time.monotonic() + self.cfg.drain_s
+        while self.in_flight() and time.monotonic() < end:
+            self._drop_silent_owners()
+            await asyncio.sleep(0.05)
+        left = list(self.open_sessions())
+        for sid in left:
+            ident, rid = self._routes.get(sid, (b"", 0))
+            if ident:
+                await self.send(ident, protocol.Error(sid=sid, rid=rid, code=protocol.UNAVAILABLE,
+                                                      message=f"{self.name} is shutting down: "
+                                                              f"session handed back"))
+            await self.drop_session(sid)
+        if left:
+            metrics.HANDED_BACK.labels(self.name).inc(len(left))
+            self.log.warning("%s handed back %d session(s) after %.1f s", self.name, len(left),
+                             self.cfg.drain_s)
+            await asyncio.sleep(LINGER_MS / 1000)   # let the hand-back errors leave
+        self.log.info("%s drained", self.name)
+        self.stop()
+
+    def _drop_silent_owners(self) -> None:
+        """While draining, a session whose client has gone silent (a dispatcher already
+        stopped) is waited for by nobody: it does not hold the drain up."""
+        if not self._reaping:
+            return
+        now = time.monotonic()
+        quiet = 3 * self.cfg.heartbeat_s
+        for sid in list(self.open_sessions()):
+            ident = self._owners.get(sid)
+            if ident is not None and now - self._heard.get(ident, now) > quiet:
+                self.spawn(self.drop_session(sid))
+
     @classmethod
     def launch(cls, config_cls: type, argv: list[str] | None = None) -> None:
         """`tandem serve <name>`: config (YAML < env < CLI), logging, torch threads, run."""
@@ -417,8 +491,8 @@ class Service:
 
         async def main():
             loop = asyncio.get_running_loop()
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, self.stop)
+            loop.add_signal_handler(signal.SIGTERM, self.terminate)
+            loop.add_signal_handler(signal.SIGINT, self.stop)
             await self.serve()
         try:
             runner(main())
@@ -530,6 +604,7 @@ class Peer:
         self.rtt = float("nan")
         self.last_seen = 0.0
         self.generation = 0           # bumps each time the socket is recreated
+        self.load: protocol.Pong | None = None   # the last heartbeat reply: readiness and load
         self._rids = itertools.count(1)
         self._channels: dict[int, Channel] = {}
         self._sock: zmq.asyncio.Socket | None = None
@@ -595,6 +670,7 @@ class Peer:
             self.last_seen = time.monotonic()
             if isinstance(msg, protocol.Pong) and msg.rid == HEARTBEAT_RID:
                 self.rtt = time.monotonic() - msg.t
+                self.load = msg            # its load, for placement (services/dispatcher/placement.py)
                 metrics.LINK_RTT.labels(self.owner, self.name).observe(self.rtt)
                 self._mark(msg.ready)
                 continue

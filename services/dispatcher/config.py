@@ -5,10 +5,10 @@ from common.config import ServiceConfig, default_endpoint
 
 @dataclass
 class DispatcherConfig(ServiceConfig):
-    verifier: str = default_endpoint("verifier")  # cloud: target model (cloud-only and spec modes); comma-separated replicas
+    verifier: str = default_endpoint("verifier")  # cloud: target model (cloud-only and spec modes); comma-separated replicas, dns+tcp://NAME:PORT = every A record
     drafter: str = default_endpoint("drafter")    # edge: draft model (spec mode)
     prefix: str = default_endpoint("prefix")      # edge: layers [0, c) (split mode)
-    suffix: str = default_endpoint("suffix")      # cloud: layers [c, L) (split mode); comma-separated replicas
+    suffix: str = default_endpoint("suffix")      # cloud: layers [c, L) (split mode); comma-separated replicas, dns+tcp://NAME:PORT = every A record
     target: str = "bundled"                       # HF dir whose tokenizer the dispatcher uses
     default_mode: str = "cloud-only"              # mode of a request that names none
     default_policy: str = "pipesd"                # spec policy of a request that names none
@@ -32,7 +32,8 @@ class DispatcherConfig(ServiceConfig):
     # --- reliability (services/dispatcher/recovery.py) and per-client limits (common/security.py) ---
     stall_s: float = 20.0                         # a session that hears nothing this long (time left) is replayed
     max_recoveries: int = 8                       # replays of one request before it fails
-    recovery_wait_s: float = 0.0                  # a session that lost its cloud replica waits this long for one to come back; 0 = until its deadline
+    recovery_wait_s: float = 30.0                 # a session that lost its cloud replica waits this long for one to come back, then fails `unavailable`; 0 = until its deadline
+    discovery_s: float = 10.0                     # re-resolve dns+tcp:// replica lists this often (services/dispatcher/placement.py)
     client_max_sessions: int = 0                  # requests one client may have in flight (busy beyond); 0 = no limit
     client_max_tokens: int = 0                    # prompt + max_tokens one client may have in flight; 0 = no limit
 

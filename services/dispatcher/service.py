@@ -15,6 +15,7 @@ import asyncio
 import importlib
 import time
 import uuid
+from urllib.parse import urlsplit
 
 from common import metrics, protocol, security
 from common.protocol import ProtocolError
@@ -136,11 +137,11 @@ class Dispatcher(Service):
         self.cfg: DispatcherConfig = cfg
         self.requests: dict[tuple[bytes, int], Request] = {}
         self.verifiers = recovery.replicas(self, "verifier", cfg.verifier)  # comma-separated
-        self.verifier = self.verifiers[0]
+        self.verifier = self.verifiers[0] if self.verifiers else None   # none yet: discovery
         self.drafter = self.peer("drafter", cfg.drafter)
         self.prefix = self.peer("prefix", cfg.prefix)
         self.suffixes = recovery.replicas(self, "suffix", cfg.suffix)
-        self.suffix = self.suffixes[0]
+        self.suffix = self.suffixes[0] if self.suffixes else None
         self.quota = security.ClientQuota(cfg.client_max_sessions, cfg.client_max_tokens)
         self.modes: dict = {}
         self.route(protocol.GenerateRequest, self.on_generate)
@@ -163,6 +164,37 @@ class Dispatcher(Service):
         if "spec" in self.modes:
             policies["spec"] = list(self.modes["spec"].POLICIES)
         metrics.declare_dispatcher(self.name, policies)
+        for reps in (self.verifiers, self.suffixes):
+            if recovery.placement.is_dynamic(reps.spec):
+                self.spawn(self._discover(reps))
+
+    async def _discover(self, reps: recovery.Replicas) -> None:
+        """Re-resolve a dns+tcp:// replica list (every A record of a headless service) every
+        discovery_s: pods that appear get a Peer, pods that vanish get no new sessions."""
+        while True:
+            try:
+                reps.refresh(await self._lookup_all(reps.spec))
+            except Exception:  # noqa: BLE001 - discovery must outlive a resolver hiccup
+                self.log.exception("re-resolving %s failed", reps.spec)
+            await asyncio.sleep(max(0.5, self.cfg.discovery_s))
+
+    async def _lookup_all(self, spec: str):
+        """A lookup function answering from addresses resolved off the event loop."""
+        names = {}
+        for t in recovery.placement.targets(spec):
+            if t.startswith(recovery.placement.DNS_SCHEME):
+                parts = urlsplit("tcp://" + t[len(recovery.placement.DNS_SCHEME):])
+                try:
+                    names[(parts.hostname, parts.port)] = await asyncio.to_thread(
+                        recovery.placement.dns_lookup, parts.hostname, parts.port)
+                except OSError as e:
+                    self.log.warning("cannot resolve %s: %s", parts.hostname, e)
+                    names[(parts.hostname, parts.port)] = []
+        return lambda host, port: names.get((host, port), [])
+
+    def in_flight(self) -> int:
+        """A draining dispatcher waits for its requests in flight."""
+        return len(self.requests)
 
     # --- client requests ----------------------------------------------------------------------
     def prompt_ids(self, msg: protocol.GenerateRequest) -> list[int]:

@@ -170,6 +170,12 @@ class Suffix(Service):
     def open_sessions(self):
         return list(self.sessions)
 
+    def load(self) -> tuple[int, int, int]:
+        """Reported in Pong for placement (services/dispatcher/placement.py): sessions, hidden
+        positions waiting for a forward, KV bytes."""
+        queued = sum(int(p.x.shape[0]) for p in self.pending.values())
+        return len(self.sessions), queued, sum(s.kv.nbytes() for s in self.sessions.values())
+
     async def drop_session(self, sid: str) -> None:
         s = self.sessions.pop(sid, None)
         if s is not None:

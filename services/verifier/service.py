@@ -171,6 +171,14 @@ class Verifier(Service):
     def open_sessions(self):
         return list(self.sessions)
 
+    def load(self) -> tuple[int, int, int]:
+        """Reported in Pong for placement (services/dispatcher/placement.py): sessions, tokens
+        waiting for a forward (a cloud session's pending tokens, a speculative one's prefill),
+        KV bytes."""
+        queued = sum(len(getattr(s, "pending", None) or getattr(s, "prefill", None) or ())
+                     for s in self.sessions.values())
+        return len(self.sessions), queued, sum(s.kv.nbytes() for s in self.sessions.values())
+
     async def drop_session(self, sid: str) -> None:
         self.drop(sid)
 
