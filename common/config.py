@@ -45,6 +45,7 @@ class ServiceConfig:
     curve_allow_dir: str = ""         # directory of client public keys (NAME.key) allowed to connect
     curve_client_key: str = ""        # this service's NAME.key_secret, used when dialling CURVE peers
     curve_server_keys: str = ""       # peer=NAME.key,... public key of each peer that runs CURVE
+    allow_plaintext: bool = False     # bind beyond loopback without CURVE (logged as a warning at start-up); off = such a bind is refused
 
     def limits(self) -> Limits:
         return Limits(max_header_bytes=self.max_header_bytes, max_frame_bytes=self.max_frame_bytes,

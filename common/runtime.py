@@ -89,6 +89,7 @@ class Service:
         self.beats: dict[str, float] = {}      # service loop -> its last heartbeat (monotonic)
         self.failure = ""                      # why a loop the service needs ended: exit non-zero
         self.draining = False                  # SIGTERM: finishing open sessions, admitting none
+        self.drained: asyncio.Event | None = None   # set when a drain has finished (serve())
         self._routes: dict[str, tuple[bytes, int]] = {}   # session id -> (identity, rid) last used
         self.route(protocol.Ping, self._on_ping)
 
@@ -281,6 +282,9 @@ class Service:
         if self._reaping and msg.sid and not isinstance(msg, (protocol.Ping, protocol.Close)):
             self._owners[msg.sid] = ident   # replies, and the session's life, follow its client
         if msg.sid and not isinstance(msg, (protocol.Ping, protocol.Close)):
+            if len(self._routes) > 64 + 2 * len(list(self.open_sessions())):
+                held = set(self.open_sessions())   # forget closed sessions (amortised)
+                self._routes = {k: v for k, v in self._routes.items() if k in held}
             self._routes[msg.sid] = (ident, msg.rid)   # where a drain hands the session back
             if self.draining and isinstance(msg, OPENS) and msg.sid not in set(self.open_sessions()):
                 await self.error(ident, msg, protocol.UNAVAILABLE,
@@ -348,6 +352,7 @@ class Service:
 
     async def serve(self) -> None:
         self.stopping = asyncio.Event()
+        self.drained = asyncio.Event()
         self.sock = self.ctx.socket(zmq.ROUTER)
         _tune(self.sock, self.cfg.heartbeat_s, self.cfg.handshake_s)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -360,6 +365,7 @@ class Service:
         # with no ZAP handler (plaintext) every ZMTP 3 peer is let in as before
         self.sock.setsockopt(zmq.ZAP_DOMAIN, security.ZAP_DOMAIN.encode())
         curve = security.server_keys(self.cfg)
+        security.check_plaintext(self.cfg, self.name)   # across hosts: CURVE, or an explicit opt-out
         if curve is not None:  # before bind: every connection must then speak CURVE
             security.apply_server(self.sock, curve)
             self.auth = security.start_authenticator(self.ctx, curve)
@@ -453,6 +459,8 @@ class Service:
                              self.cfg.drain_s)
             await asyncio.sleep(LINGER_MS / 1000)   # let the hand-back errors leave
         self.log.info("%s drained", self.name)
+        self.drained.set()
+        await asyncio.sleep(0.1)   # a preStop hook waiting on GET /drain gets its answer
         self.stop()
 
     def _drop_silent_owners(self) -> None:
@@ -514,6 +522,8 @@ class Service:
                 status, ctype, body = "200 OK", CONTENT_TYPE_LATEST, generate_latest()
             elif path == "/healthz":
                 status, ctype, body = "200 OK", "text/plain", b"ok\n"
+            elif path == "/drain":    # a Kubernetes preStop hook, from inside the pod only
+                status, ctype, body = await self._http_drain(writer)
             elif path == "/readyz":   # ready = set up, and every service loop beating
                 why = self.not_ready_reason()
                 status = "503 Service Unavailable" if why else "200 OK"
@@ -528,6 +538,21 @@ class Service:
             pass  # slow, vanished or oversize (a line over 64 KiB): drop the connection
         finally:
             writer.close()
+
+
+    async def _http_drain(self, writer) -> tuple[str, str, bytes]:
+        """GET /drain (loopback only): drain as on SIGTERM and answer once drained, so that a
+        preStop hook holds the pod's termination until its sessions are finished or handed
+        back; the service then exits."""
+        peer = writer.get_extra_info("peername") or ("",)
+        if not security.bind_is_local(f"tcp://{peer[0]}:0"):
+            return "403 Forbidden", "text/plain", b"/drain is served to loopback only\n"
+        if not self.draining:
+            self.terminate()
+        if self.drained is not None and self.draining:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.drained.wait(), self.cfg.drain_s + 5)
+        return "200 OK", "text/plain", b"drained\n"
 
 
 class BindError(OSError):
