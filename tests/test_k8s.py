@@ -176,7 +176,7 @@ def test_monitoring_objects(overlay):
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_probes_and_hooks_name_real_ports_and_paths(overlay):
     served = 0
-    for w, _, c in pod_containers(overlay):
+    for _, _, c in pod_containers(overlay):
         svc = service_of(c)
         if svc is None:
             continue
