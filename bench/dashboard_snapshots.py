@@ -35,6 +35,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from common import observability as obs  # noqa: E402
+from bench import traffic  # noqa: E402
 from common.models import repo_root  # noqa: E402
 
 OUT = repo_root() / "docs" / "img" / "dashboards"
@@ -349,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         start = time.time() - 5
         rounds = requests = tokens = 0
         while time.time() - start < args.seconds + 5:
-            rep = obs.drive_traffic(stack.dispatcher, rounds=1, max_tokens=args.max_tokens)
+            rep = traffic.drive_traffic(stack.dispatcher, rounds=1, max_tokens=args.max_tokens)
             if rep.failures:
                 print("failed requests:", *rep.failures, sep="\n  ", file=sys.stderr)
                 return 1

@@ -22,6 +22,8 @@ from typing import Annotated, Any, Union
 import msgspec
 import numpy as np
 
+from common.errors import TandemError
+
 VERSION = 1
 
 # ---------------------------------------------------------------------------------------------
@@ -47,15 +49,8 @@ ERROR_CODES = (BAD_FRAME, BAD_VERSION, UNKNOWN_TYPE, BAD_FIELD, TOO_LARGE, BAD_T
                WRONG_SERVICE, INTERNAL)
 
 
-class ProtocolError(Exception):
-    """A request the receiver refuses. `field` names the offending field (dotted path, e.g.
-    `sampling.temperature`) when one field is to blame; it travels in `Error.field`."""
-
-    def __init__(self, code: str, message: str, field: str = ""):
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
-        self.field = field
+class ProtocolError(TandemError):
+    """A request the receiver refuses; `field` travels in `Error.field`."""
 
 
 @dataclass

@@ -31,6 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from common import metrics, protocol, security
 from common.config import ServiceConfig
+from common.errors import TandemError
 from common.protocol import Msg, ProtocolError
 
 Handler = Callable[[bytes, Msg, list], Awaitable[None]]
@@ -62,6 +63,112 @@ def _tune(sock: zmq.Socket, heartbeat_s: float, handshake_s: float | None = None
     sock.setsockopt(zmq.RCVHWM, 10000)
 
 
+class Session:
+    """What a service keeps for every session it holds; each service subclasses it."""
+
+    def __init__(self, sid: str, ident: bytes = b"", rid: int = 0, seq: int = 0):
+        self.sid = sid
+        self.ident = ident       # the connection replies go to: whoever spoke for it last
+        self.rid = rid           # the request id its replies carry
+        self.open_seq = seq      # seq of its open: an open resent with this seq is a retry
+        self.seq = seq           # seq of the latest request taken (open or step)
+        self.reply: tuple[Msg, list] | None = None   # the answer to request `seq`, for a retry
+        self.busy = False        # request `seq` is queued or running
+        self.closed = False      # dropped: work still in flight for it is thrown away
+
+
+class SessionTable:
+    """The sessions one service holds, and the one place its sessions are admitted: an empty
+    id, an open that repeats one already taken (a retry) or clashes with it, `max_sessions`,
+    the prompt's length and vocabulary. Services add their own checks (a cut, a sampling
+    vocabulary) around `admit`."""
+
+    def __init__(self, service: str, max_sessions: int, limits: protocol.Limits):
+        self.service = service
+        self.max_sessions = max_sessions
+        self.limits = limits
+        self._by_sid: dict[str, Session] = {}
+
+    # --- admission ----------------------------------------------------------------------------
+    def admit(self, msg: Msg, prompt: list[int] | int | None = None,
+              vocab_size: int = 0) -> Session | None:
+        """May `msg` open session `msg.sid`? The open session when `msg` repeats its open (same
+        seq: answer it from state), None when a new session may be added; else ProtocolError.
+        `prompt`: its token ids (checked against `vocab_size` when given) or just its length."""
+        old = self._by_sid.get(msg.sid)
+        if old is not None:
+            if old.open_seq == msg.seq:
+                return old
+            raise ProtocolError(protocol.SESSION_EXISTS, f"session {msg.sid!r} is already open",
+                                field="sid")
+        if not msg.sid:
+            raise ProtocolError(protocol.BAD_FIELD, "sid must not be empty", field="sid")
+        if len(self._by_sid) >= self.max_sessions:
+            raise ProtocolError(protocol.BUSY, f"{len(self._by_sid)} sessions open on the "
+                                               f"{self.service} (max_sessions)")
+        if prompt is not None:
+            n = prompt if isinstance(prompt, int) else len(prompt)
+            if n == 0:
+                raise ProtocolError(protocol.BAD_FIELD, "empty prompt", field="token_ids")
+            if n > self.limits.max_prompt_tokens:
+                raise ProtocolError(protocol.TOO_LARGE, f"prompt of {n} tokens > "
+                                    f"max_prompt_tokens {self.limits.max_prompt_tokens}",
+                                    field="token_ids")
+            if vocab_size and not isinstance(prompt, int):
+                check_token_ids(prompt, vocab_size)
+        return None
+
+    def find(self, msg: Msg) -> Session:
+        """The session `msg` is for; `unknown_session` if it is not open (never, or closed)."""
+        s = self._by_sid.get(msg.sid)
+        if s is None:
+            raise ProtocolError(protocol.UNKNOWN_SESSION, f"no {self.service} session "
+                                                          f"{msg.sid!r} (never opened, or closed)")
+        return s
+
+    # --- the table ------------------------------------------------------------------------------
+    def add(self, s: Session) -> None:
+        self._by_sid[s.sid] = s
+        metrics.SESSIONS.labels(self.service).set(len(self._by_sid))
+
+    def pop(self, sid: str) -> Session | None:
+        """Remove a session (marked closed); None if it is not open."""
+        s = self._by_sid.pop(sid, None)
+        if s is not None:
+            s.closed = True
+        metrics.SESSIONS.labels(self.service).set(len(self._by_sid))
+        return s
+
+    def get(self, sid: str) -> Session | None:
+        return self._by_sid.get(sid)
+
+    def ids(self) -> list[str]:
+        return list(self._by_sid)
+
+    def values(self) -> list[Session]:
+        return list(self._by_sid.values())
+
+    def __getitem__(self, sid: str) -> Session:
+        return self._by_sid[sid]
+
+    def __contains__(self, sid: object) -> bool:
+        return sid in self._by_sid
+
+    def __len__(self) -> int:
+        return len(self._by_sid)
+
+    def __iter__(self):
+        return iter(list(self._by_sid))
+
+
+def check_token_ids(token_ids: list[int], vocab_size: int, field: str = "token_ids") -> None:
+    """Every id inside the model's vocabulary [0, vocab_size), else `bad_field` naming `field`."""
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ProtocolError(protocol.BAD_FIELD, f"{field} holds ids outside the vocabulary "
+                                                f"[0, {vocab_size}): {bad[:5]}", field=field)
+
+
 class Service:
     """Base class: subclasses set `name`, register handlers in `__init__` with `self.route`,
     and load models in `setup()` (called before the service reports ready)."""
@@ -86,6 +193,7 @@ class Service:
         self._heard: dict[bytes, float] = {}   # client identity -> last message (pings too)
         self._owners: dict[str, bytes] = {}    # session id -> identity that last spoke for it
         self._reaping = cfg.peer_idle_timeout_s > 0
+        self.sessions = SessionTable(self.name, cfg.max_sessions, self.limits)
         self.beats: dict[str, float] = {}      # service loop -> its last heartbeat (monotonic)
         self.failure = ""                      # why a loop the service needs ended: exit non-zero
         self.draining = False                  # SIGTERM: finishing open sessions, admitting none
@@ -103,13 +211,31 @@ class Service:
     async def teardown(self) -> None:
         """Release resources on shutdown."""
 
-    def open_sessions(self):
-        """Ids of the sessions this service holds (for the orphan reaper); none by default."""
-        return ()
+    def open_sessions(self) -> list[str]:
+        """Ids of the sessions this service holds (for the orphan reaper)."""
+        return self.sessions.ids()
 
     async def drop_session(self, sid: str) -> None:
-        """Free a session whose client went away (the orphan reaper) or closed it (`on_close`);
-        subclasses that hold sessions override this and `open_sessions`."""
+        """End a session: its client closed it (`on_close`), went silent (the orphan reaper) or
+        it hit a bug (`fail_session`). Services that hold more than the table (queued work, a
+        llama.cpp context) free it in `session_dropped`."""
+        s = self.sessions.pop(sid)
+        if s is not None:
+            self.session_dropped(s)
+
+    def session_dropped(self, s: Session) -> None:
+        """Free what a dropped session holds beyond its table entry; nothing by default."""
+
+    async def answer_retry(self, ident: bytes, s: Session, msg: Msg) -> bool:
+        """Is `msg` a resend of the session's latest request (same seq)? Then it is answered
+        from state — the stored reply, or nothing yet while it still runs — never run twice."""
+        if msg.seq != s.seq:
+            return False
+        if s.reply is not None and not s.busy:
+            reply, buffers = s.reply
+            reply.rid = msg.rid
+            await self.send(ident, reply, buffers)
+        return True
 
     async def on_close(self, ident: bytes, msg: protocol.Close, frames) -> None:
         """The Close handler of every session-holding service (they route Close here): free the
@@ -571,13 +697,8 @@ class BindError(OSError):
         return self.strerror
 
 
-class PeerError(Exception):
+class PeerError(TandemError):
     """A peer answered with an Error message, or did not answer in time."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
 
 
 class Channel:

@@ -3,17 +3,10 @@
 from __future__ import annotations
 
 from common import protocol
+from common.errors import TandemError
 
-
-class TandemError(Exception):
-    """Base: `code` is the stable wire code, `message` the server's explanation, `field` the
-    argument to blame (e.g. "temperature") when one is."""
-
-    def __init__(self, code: str, message: str, field: str = ""):
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
-        self.field = field
+__all__ = ["TandemError", "InvalidRequest", "Busy", "DeadlineExceeded", "Cancelled",
+           "Unavailable", "ServerError", "error_from_code"]
 
 
 class InvalidRequest(TandemError):

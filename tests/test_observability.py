@@ -21,6 +21,7 @@ import urllib.request
 
 import pytest
 
+from bench import traffic
 from common import observability as obs
 
 pytestmark = pytest.mark.skipif(
@@ -31,7 +32,7 @@ pytestmark = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def stack(model_paths, tmp_path_factory):
     with obs.observed_stack(tmp_path_factory.mktemp("observability")) as s:
-        report = obs.drive_traffic(s.dispatcher, rounds=1, max_tokens=12)
+        report = traffic.drive_traffic(s.dispatcher, rounds=1, max_tokens=12)
         assert not report.failures, report.failures
         assert report.invalid_rejected == 1
         s.traffic = report
@@ -65,7 +66,7 @@ def test_variables_offer_every_mode_policy_and_scheduler(stack):
     values = {(d, v): set(obs.label_values(stack.prometheus, *obs.label_values_query(q)[::-1]))
               for d, v, q in obs.variable_queries()}
     assert {"cloud-only", "spec", "split"} <= values["overview", "mode"]
-    assert set(obs.SPEC_POLICIES) <= values["speculative", "policy"]
+    assert set(traffic.SPEC_POLICIES) <= values["speculative", "policy"]
     assert set(obs.SPLIT_SCHEDULERS) == values["split", "scheduler"]
     assert {"dispatcher", "verifier", "drafter", "prefix", "suffix"} == values["services", "service"]
 

@@ -114,7 +114,10 @@ class FakeService:
 
     def __init__(self):
         import logging
+
+        from services.dispatcher.config import DispatcherConfig
         self.log = logging.getLogger("test")
+        self.cfg = DispatcherConfig()
 
     def peer(self, name, endpoint):
         return FakePeer(name, endpoint)
@@ -156,6 +159,23 @@ def test_replicas_skip_draining_and_refused_until_next_report():
     b.up = False
     a.load = pong(0, admitting=False)
     assert reps.next_up() is None
+
+
+def test_banned_replica_gets_no_new_sessions_and_drain_hand_backs_do_not_ban():
+    """recovery_policy's ban (a replica failing ban_failures sessions in a window) applies to
+    placement; sessions handed back by a draining replica are not failures."""
+    import time as _time
+    reps = recovery.replicas(FakeService(), "verifier", "tcp://a:1,tcp://b:1")
+    a, b = reps
+    a.load, b.load = pong(0), pong(5)
+    now = _time.monotonic()
+    policy = reps.health.policy
+    for i in range(policy.ban_failures):    # separate incidents, within the window
+        reps.health.failed("verifier", now - policy.ban_window_s / 2 + i * (policy.incident_s + 0.1))
+    assert reps.health.banned("verifier", _time.monotonic())
+    assert reps.next_up() is b
+    b.up = False                            # every replica up is banned: the ban yields
+    assert reps.next_up() is a
 
 
 def test_replicas_refresh_adds_and_retires():

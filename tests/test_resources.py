@@ -198,7 +198,8 @@ def test_verifier_keeps_to_its_share_only_while_speculating():
 
     from common.launcher import free_port
     from services.verifier.config import VerifierConfig
-    from services.verifier.service import CloudSession, EngineSession, Verifier, Work
+    from services.verifier.engine import CloudSession, EngineSession, Work
+    from services.verifier.service import Verifier
 
     class Runner:
         num_layers = 1
@@ -214,11 +215,13 @@ def test_verifier_keeps_to_its_share_only_while_speculating():
                                     threads=2, spec_threads=1))
         v.runner = Runner()
         step = [(EngineSession("c", b"", 1, 0, None), Work([1], "last", "decode"))]
-        v.sessions = {"c": object.__new__(CloudSession)}
+        cloud = object.__new__(CloudSession)
+        EngineSession.__init__(cloud, "c", b"", 1, 0, None)
+        v.sessions.add(cloud)
         v.run_step(step)
-        v.sessions["s"] = EngineSession("s", b"", 1, 0, None)     # a speculative session
+        v.sessions.add(EngineSession("s", b"", 1, 0, None))      # a speculative session
         v.run_step(step)
-        del v.sessions["s"]
+        v.sessions.pop("s")
         v.run_step(step)
         assert Runner.seen == [2, 1, 2]
     finally:

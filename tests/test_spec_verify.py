@@ -311,7 +311,8 @@ def test_repeated_open_of_another_session_kind_is_refused():
 
     from common.launcher import free_port
     from services.verifier.config import VerifierConfig
-    from services.verifier.service import CloudSession, Verifier
+    from services.verifier.engine import CloudSession
+    from services.verifier.service import Verifier
 
     class Runner:
         def new_kv(self):

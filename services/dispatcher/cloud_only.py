@@ -12,9 +12,20 @@ from common import protocol
 from services.dispatcher import recovery
 
 
-async def run(req) -> None:
-    await recovery.with_recovery(req, req.d.verifiers, "verifier", functools.partial(_stream, req))
-    req.stats["cloud_forwards_per_token"] = 1.0
+class CloudOnly:
+    name = "cloud-only"
+    policies = ("cloud-only",)
+
+    def validate(self, d, msg) -> None:
+        """Nothing beyond what every request is checked for."""
+
+    def policy(self, d, msg) -> str:
+        return self.name
+
+    async def run(self, req) -> None:
+        await recovery.with_recovery(req, req.d.verifiers, "verifier",
+                                     functools.partial(_stream, req))
+        req.stats["cloud_forwards_per_token"] = 1.0
 
 
 async def _stream(req, rec: recovery.Recovery, peer) -> None:

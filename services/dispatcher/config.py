@@ -32,6 +32,11 @@ class DispatcherConfig(ServiceConfig):
     # --- reliability (services/dispatcher/recovery.py) and per-client limits (common/security.py) ---
     stall_s: float = 20.0                         # a session that hears nothing this long (time left) is replayed
     max_recoveries: int = 8                       # replays of one request before it fails
+    recovery_backoff_s: float = 0.05              # wait before the first replay; doubles each replay (jittered)
+    recovery_backoff_max_s: float = 2.0           # cap on the wait between replays
+    replica_ban_failures: int = 3                 # a replica failing this many sessions within replica_ban_window_s ...
+    replica_ban_window_s: float = 30.0            # ... (the window) ...
+    replica_ban_s: float = 15.0                   # ... gets no new sessions for this long; 0 = never banned
     recovery_wait_s: float = 30.0                 # a session that lost its cloud replica waits this long for one to come back, then fails `unavailable`; 0 = until its deadline
     discovery_s: float = 10.0                     # re-resolve dns+tcp:// replica lists this often (services/dispatcher/placement.py)
     client_max_sessions: int = 0                  # requests one client may have in flight (busy beyond); 0 = no limit

@@ -28,6 +28,8 @@ to the client. A request gives up after `max_recoveries` replays, or when its de
 replay waits `recovery_wait_s` (30 s; 0 = until the deadline) for a replica, so a restart or a
 partition that heals in time is survived with identical output, and a cloud service that is down
 and not coming back fails the request `unavailable` after that bounded wait, not at its deadline.
+These decisions, the backoff between replays and the temporary ban of a replica that keeps
+failing are pure functions in services/dispatcher/recovery_policy.py.
 
 Replicas: a comma-separated list (`--verifier tcp://a:5551,tcp://b:5551`, or
 `dns+tcp://verifier.tandem:5551` for every A record of a headless service, re-resolved every
@@ -50,14 +52,14 @@ A mode runs each attempt through `with_recovery` (cloud_only.py is the example):
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 
 from common import metrics, protocol
 from common.runtime import Peer, PeerError
 from services.dispatcher import placement
-
-RECOVERABLE = {protocol.UNAVAILABLE: "down", protocol.UNKNOWN_SESSION: "restarted",
-               protocol.UNKNOWN_ROUND: "gap"}
+from services.dispatcher.recovery_policy import (GiveUp, PassThrough, RecoveryPolicy,
+                                                 ReplicaHealth, decide)
 
 
 class Lost(PeerError):
@@ -75,10 +77,12 @@ class Replicas(list):
     names DNS targets is re-resolved (`refresh`): new replicas are added, vanished ones retired
     (no new sessions; sessions on them go on while they answer)."""
 
-    def __init__(self, peers: list[Peer], service=None, role: str = "", spec: str = ""):
+    def __init__(self, peers: list[Peer], service=None, role: str = "", spec: str = "",
+                 health: ReplicaHealth | None = None):
         super().__init__(peers)
         self.turn = 0
         self.service, self.role, self.spec = service, role, spec
+        self.health = health or ReplicaHealth(RecoveryPolicy())   # bans (recovery_policy.py)
         self.retired: set[str] = set()       # endpoints gone from discovery
         self.placed: dict[str, int] = {}     # peer name -> sessions this dispatcher holds on it
         self.at_report: dict[str, tuple[object, int]] = {}   # name -> (report seen, placed then)
@@ -86,6 +90,7 @@ class Replicas(list):
 
     def estimates(self) -> list[placement.Estimate]:
         out = []
+        allowed = set(self.health.eligible([p.name for p in self if p.up], time.monotonic()))
         for p in self:
             pong = p.load
             placed = self.placed.get(p.name, 0)
@@ -98,8 +103,8 @@ class Replicas(list):
             suspect = p.name in self.suspect and self.suspect[p.name] is pong
             if p.name in self.suspect and not suspect:
                 del self.suspect[p.name]      # it has reported since: believe the report
-            out.append(placement.Estimate(p.name, p.up and p.endpoint not in self.retired,
-                                          report, placed, then, suspect))
+            up = p.up and p.endpoint not in self.retired and p.name in allowed
+            out.append(placement.Estimate(p.name, up, report, placed, then, suspect))
         return out
 
     def next_up(self) -> Peer | None:
@@ -154,7 +159,15 @@ def replicas(service, role: str, endpoints: str, lookup=placement.dns_lookup) ->
     if not eps and not placement.is_dynamic(endpoints):
         raise ValueError(f"{role}: no endpoint configured")
     return Replicas([service.peer(role if i == 0 else f"{role}-{i}", ep)
-                     for i, ep in enumerate(eps)], service, role, endpoints)
+                     for i, ep in enumerate(eps)], service, role, endpoints,
+                    ReplicaHealth(recovery_policy(service.cfg)))
+
+
+def recovery_policy(cfg) -> RecoveryPolicy:
+    return RecoveryPolicy(max_recoveries=cfg.max_recoveries, backoff_s=cfg.recovery_backoff_s,
+                          backoff_max_s=cfg.recovery_backoff_max_s,
+                          ban_failures=cfg.replica_ban_failures,
+                          ban_window_s=cfg.replica_ban_window_s, ban_s=cfg.replica_ban_s)
 
 
 async def first_up(peers: list[Peer], timeout: float) -> Peer | None:
@@ -188,6 +201,7 @@ class Recovery:
         self.peer: Peer | None = None   # the replica the session is on
         self.attempt = 0                # replays so far
         self.failed_at = 0.0            # when the failure being recovered from was detected
+        self.delay = 0.0                # backoff before the next replay connects
         self.times: list[float] = []    # failure detected -> first token after the replay
         self.reasons: list[str] = []
 
@@ -207,9 +221,14 @@ class Recovery:
         retries until its deadline (`recovery_wait_s` caps that when set), so a partition that
         heals in time costs only the wait, and one that does not ends in `deadline`."""
         d = self.req.d
+        if self.delay:
+            await asyncio.sleep(min(self.delay, self.req.remaining()))
+            self.delay = 0.0
         for p in self.needs:
             await d.need(p, self.req)
-        if self.peer is not None and self.peer.up:
+        health = getattr(self.peers, "health", None)
+        if self.peer is not None and self.peer.up and \
+                (health is None or not health.banned(self.peer.name, time.monotonic())):
             return self.peer
         self._leave()
         left = self.req.remaining()
@@ -254,31 +273,44 @@ class Recovery:
                           f"{got - expected} lost in transit")
 
     def fail(self, err: PeerError) -> None:
-        """Record a failure and allow a replay, or re-raise `err` when recovery cannot help."""
+        """Record a failure and allow a replay, or raise the request's error (recovery_policy)."""
         req = self.req
-        reason = err.reason if isinstance(err, Lost) else RECOVERABLE.get(err.code)
-        if reason is None or req.done or req.cancelled.is_set():
+        health = getattr(self.peers, "health", None)
+        policy = health.policy if health is not None else recovery_policy(req.d.cfg)
+        decision = decide(policy, code=err.code, message=err.message,
+                          reason=err.reason if isinstance(err, Lost) else None,
+                          replays=self.attempt, time_left=req.remaining(),
+                          finished=req.done or req.cancelled.is_set(), tokens=len(req.tokens),
+                          rand=random.random())
+        if isinstance(decision, PassThrough):
             raise err
-        if req.remaining() <= 0:
-            # no time left to replay in: the request ran out of time, whatever interrupted it
-            raise PeerError(protocol.DEADLINE, f"deadline passed after {len(req.tokens)} tokens "
-                                               f"({err.message})")
-        if self.attempt >= req.d.cfg.max_recoveries:
-            raise PeerError(err.code, f"{err.message} (gave up after {self.attempt} replays)")
-        req.d.log.warning("%s: %s on %s (%s); replaying %d committed tokens", req.sid, reason,
-                          self.peer.name if self.peer else self.role, err.message,
-                          len(self.committed()))
-        metrics.RECOVERIES.labels(req.d.name, req.mode, reason).inc()
-        if reason == "down" and self.peer is not None and self.peer.up:
+        if isinstance(decision, GiveUp):
+            raise PeerError(decision.code, decision.message)
+        now = time.monotonic()
+        # a replica that hands sessions back while draining (its last report: not admitting) is
+        # shutting down on purpose, not failing: it is not counted toward a ban
+        draining = self.peer is not None and self.peer.load is not None \
+            and not self.peer.load.admitting
+        if self.peer is not None and health is not None and not draining \
+                and health.failed(self.peer.name, now):
+            req.d.log.warning("%s %s failed %d sessions within %.0f s: no new sessions for %.0f s",
+                              self.role, self.peer.name, policy.ban_failures,
+                              policy.ban_window_s, policy.ban_s)
+        req.d.log.warning("%s: %s on %s (%s); replaying %d committed tokens", req.sid,
+                          decision.reason, self.peer.name if self.peer else self.role,
+                          err.message, len(self.committed()))
+        metrics.RECOVERIES.labels(req.d.name, req.mode, decision.reason).inc()
+        if decision.reason == "down" and self.peer is not None and self.peer.up:
             # refused or handed back while its heartbeats say up: it is draining (or just
             # restarted); the replay goes elsewhere, and so do new sessions until it reports
             if isinstance(self.peers, Replicas):
                 self.peers.refused(self.peer)
             self._leave()
         self.attempt += 1
-        self.reasons.append(reason)
+        self.reasons.append(decision.reason)
+        self.delay = decision.delay_s
         if not self.failed_at:
-            self.failed_at = time.monotonic()
+            self.failed_at = now
 
     def progress(self) -> None:
         """Call after tokens reach the client: closes the recovery in progress, if any."""

@@ -1,20 +1,18 @@
 """The dispatcher: the edge-side brain. Clients (the SDK) talk to it; it owns each request's loop
 and streams tokens back as they are committed.
 
-Each mode is one module with `async def run(req: Request) -> None`:
+Each mode is a `Mode` (services/dispatcher/modes.py: `validate` before admission, `run` for one
+request):
 * cloud-only  services/dispatcher/cloud_only.py  target autoregressive in the cloud
 * spec        services/dispatcher/spec_mode.py   PipeSD speculative decoding
 * split       services/dispatcher/split_mode.py  DySCo split computing
-`Request.emit` is the only way tokens reach a client: it numbers them, stops at max_tokens / EOS,
-and never sends a token twice, whatever the mode does (DESIGN.md §5, invariant 5).
+A request (services/dispatcher/request.py) reaches its client only through `Request.emit`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib
 import time
-import uuid
 from urllib.parse import urlsplit
 
 from common import metrics, protocol, security
@@ -22,111 +20,8 @@ from common.protocol import ProtocolError
 from common.runtime import PeerError, Service
 from services.dispatcher import recovery
 from services.dispatcher.config import DispatcherConfig
-
-MODES = {"cloud-only": "services.dispatcher.cloud_only",
-         "spec": "services.dispatcher.spec_mode",
-         "split": "services.dispatcher.split_mode"}
-
-
-class Detokenizer:
-    """Incremental detokenisation: emit text only once a token sequence decodes to whole
-    characters (a multi-byte character may span tokens)."""
-
-    def __init__(self, tokenizer):
-        self.tok = tokenizer
-        self.ids: list[int] = []
-        self.prefix_offset = 0
-        self.read_offset = 0
-
-    def push(self, token_ids: list[int]) -> str:
-        self.ids.extend(token_ids)
-        prefix = self.tok.decode(self.ids[self.prefix_offset:self.read_offset],
-                                 skip_special_tokens=True)
-        full = self.tok.decode(self.ids[self.prefix_offset:], skip_special_tokens=True)
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            self.prefix_offset = self.read_offset
-            self.read_offset = len(self.ids)
-            return full[len(prefix):]
-        return ""
-
-
-class Request:
-    """One client request in flight."""
-
-    def __init__(self, d: "Dispatcher", ident: bytes, msg: protocol.GenerateRequest,
-                 prompt_ids: list[int], mode: str, policy: str):
-        self.d = d
-        self.ident = ident
-        self.msg = msg
-        self.rid = msg.rid
-        self.sid = f"{msg.sid or 'req'}-{uuid.uuid4().hex[:10]}"   # unique across clients
-        self.prompt_ids = prompt_ids
-        self.mode = mode
-        self.policy = policy
-        self.sampling = msg.sampling
-        self.max_tokens = msg.max_tokens
-        self.eos = d.eos_token_id if msg.stop_at_eos else None
-        self.tokens: list[int] = []
-        self.finish_reason = ""
-        self.start = time.monotonic()
-        budget = msg.deadline_s if msg.deadline_s > 0 else d.cfg.request_timeout_s
-        self.deadline = self.start + budget
-        self.first_token_at = 0.0
-        self.last_token_at = 0.0
-        self.stats: dict = {}            # mode-specific figures, returned in Done.stats
-        self.cancelled = asyncio.Event()
-        self.detok = Detokenizer(d.tokenizer)
-
-    @property
-    def done(self) -> bool:
-        return bool(self.finish_reason)
-
-    def remaining(self) -> float:
-        return max(0.0, self.deadline - time.monotonic())
-
-    async def emit(self, token_ids: list[int], degraded: bool = False) -> bool:
-        """Append committed tokens to the client's stream. Returns False once the request is
-        complete (max_tokens reached or EOS emitted); tokens past that point are dropped."""
-        if self.done:
-            return False
-        out = []
-        for t in token_ids:
-            out.append(t)
-            if self.eos is not None and t == self.eos:
-                self.finish_reason = "eos"
-                break
-            if len(self.tokens) + len(out) >= self.max_tokens:
-                self.finish_reason = "length"
-                break
-        if not out:
-            return not self.done
-        now = time.monotonic()
-        labels = (self.d.name, self.mode, self.policy)
-        if not self.tokens:
-            self.first_token_at = now
-            metrics.TTFT.labels(*labels).observe(now - self.start)
-        else:
-            gap = (now - self.last_token_at) / len(out)
-            for _ in out:
-                metrics.ITL.labels(*labels).observe(gap)
-        self.last_token_at = now
-        index = len(self.tokens)
-        self.tokens.extend(out)
-        metrics.GENERATED_TOKENS.labels(*labels).inc(len(out))
-        await self.d.send(self.ident, protocol.TokenEvent(
-            sid=self.msg.sid, rid=self.rid, index=index, token_ids=out,
-            text=self.detok.push(out), degraded=degraded))
-        return not self.done
-
-    def summary(self) -> dict:
-        end = time.monotonic()
-        n = len(self.tokens)
-        stats = {"mode": self.mode, "policy": self.policy, "prompt_tokens": len(self.prompt_ids),
-                 "generated_tokens": n, "duration_s": end - self.start,
-                 "ttft_s": (self.first_token_at - self.start) if n else None,
-                 "tpt_s": (end - self.start) / n if n else None}
-        stats.update(self.stats)
-        return stats
+from services.dispatcher.modes import Mode, make_modes
+from services.dispatcher.request import Request
 
 
 class Dispatcher(Service):
@@ -143,7 +38,7 @@ class Dispatcher(Service):
         self.suffixes = recovery.replicas(self, "suffix", cfg.suffix)
         self.suffix = self.suffixes[0] if self.suffixes else None
         self.quota = security.ClientQuota(cfg.client_max_sessions, cfg.client_max_tokens)
-        self.modes: dict = {}
+        self.modes: dict[str, Mode] = make_modes(cfg)
         self.route(protocol.GenerateRequest, self.on_generate)
         self.route(protocol.Cancel, self.on_cancel)
 
@@ -155,15 +50,9 @@ class Dispatcher(Service):
         path = models.resolve_target(self.cfg.target)
         self.tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(path))
         self.eos_token_id = self.tokenizer.eos_token_id
-        for mode, module in MODES.items():
-            try:
-                self.modes[mode] = importlib.import_module(module)
-            except ImportError as e:  # a deployment may ship only some modes
-                self.log.warning("mode %s unavailable: %s", mode, e)
-        policies = {mode: [mode] for mode in self.modes}   # the label sets known now, at 0
-        if "spec" in self.modes:
-            policies["spec"] = list(self.modes["spec"].POLICIES)
-        metrics.declare_dispatcher(self.name, policies)
+        # the label sets known now, at 0
+        metrics.declare_dispatcher(self.name, {name: list(m.policies)
+                                               for name, m in self.modes.items()})
         for reps in (self.verifiers, self.suffixes):
             if recovery.placement.is_dynamic(reps.spec):
                 self.spawn(self._discover(reps))
@@ -226,23 +115,19 @@ class Dispatcher(Service):
         if key in self.requests:
             return  # a retry of a request already running: its stream continues
         mode = msg.mode or self.cfg.default_mode
-        if mode not in MODES:
-            raise ProtocolError(protocol.BAD_FIELD, f"unknown mode {mode!r}; one of {sorted(MODES)}",
-                                field="mode")
         if mode not in self.modes:
-            raise ProtocolError(protocol.UNAVAILABLE, f"mode {mode!r} is not available here")
+            raise ProtocolError(protocol.BAD_FIELD, f"unknown mode {mode!r}; one of "
+                                                    f"{sorted(self.modes)}", field="mode")
         if not 1 <= msg.max_tokens <= self.cfg.max_new_tokens:
             raise ProtocolError(protocol.BAD_FIELD,
                                 f"max_tokens must be in [1, {self.cfg.max_new_tokens}]",
                                 field="max_tokens")
         s = msg.sampling
         protocol.check_sampling(s, len(self.tokenizer))
-        validate = getattr(self.modes[mode], "validate", None)   # the mode's own fields (cut,
-        if validate is not None:                                  # policy): before admission too
-            validate(self, msg)
+        self.modes[mode].validate(self, msg)   # its own fields (cut, policy): before admission
         if len(self.requests) >= self.cfg.max_sessions:
             raise ProtocolError(protocol.BUSY, f"{len(self.requests)} requests in flight")
-        policy = (msg.policy or self.cfg.default_policy) if mode == "spec" else mode
+        policy = self.modes[mode].policy(self, msg)
         req = Request(self, ident, msg, self.prompt_ids(msg), mode, policy)
         req.client = security.client_id(ident, frames)
         req.quota = len(req.prompt_ids) + msg.max_tokens

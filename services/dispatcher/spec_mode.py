@@ -82,16 +82,6 @@ class Edge:
         return self.tuners[policy]
 
 
-_edge: Edge | None = None
-
-
-def edge(cfg) -> Edge:
-    global _edge
-    if _edge is None:
-        _edge = Edge(cfg)
-    return _edge
-
-
 class MetricHooks(Hooks):
     def __init__(self, policy: str, e: Edge):
         self.policy = policy
@@ -137,28 +127,36 @@ def check_policy(name: str, sampling_params):
     return policy
 
 
-def validate(d, msg) -> None:
-    """Before admission (Dispatcher.on_generate): a bad policy is an invalid request, refused
-    like any other bad field — not admitted, not counted in tandem_requests_total."""
-    check_policy(msg.policy or d.cfg.default_policy, msg.sampling)
+class Spec:
+    """Speculative mode on one dispatcher: its sessions share one `Edge`."""
+    name = "spec"
+    policies = tuple(POLICIES)
 
+    def __init__(self, cfg):
+        self.edge = Edge(cfg)
 
-async def run(req) -> None:
-    policy = check_policy(req.policy, req.sampling)
-    s = SpecRun(req, policy)
-    try:
-        await s.run()
-    finally:
-        await s.close()
+    def validate(self, d, msg) -> None:
+        """An unknown policy (or the oracle trigger with sampling) is a bad field."""
+        check_policy(self.policy(d, msg), msg.sampling)
+
+    def policy(self, d, msg) -> str:
+        return msg.policy or d.cfg.default_policy
+
+    async def run(self, req) -> None:
+        s = SpecRun(req, check_policy(req.policy, req.sampling), self.edge)
+        try:
+            await s.run()
+        finally:
+            await s.close()
 
 
 class SpecRun:
-    def __init__(self, req, policy):
+    def __init__(self, req, policy, edge: Edge):
         self.req = req
         self.d = req.d
         self.cfg = req.d.cfg
         self.policy = policy
-        self.edge = edge(self.cfg)
+        self.edge = edge
         self.inbox: asyncio.Queue = asyncio.Queue()
         self.readers: list[asyncio.Task] = []
         self.vch = self.dch = None

@@ -39,14 +39,23 @@ def check_cut(target: str, cut: int) -> int:
     return cut
 
 
-def validate(d, msg) -> None:
-    """Before admission (Dispatcher.on_generate): a bad cut is an invalid request, refused like
-    any other bad field — not admitted, not counted in tandem_requests_total."""
-    check_cut(d.cfg.target, msg.cut or d.cfg.default_cut)
-
-
 def choose_cut(req) -> int:
     return check_cut(req.d.cfg.target, req.msg.cut or req.d.cfg.default_cut)
+
+
+class Split:
+    name = "split"
+    policies = ("split",)
+
+    def validate(self, d, msg) -> None:
+        """A cut the model does not have is a bad field (before admission)."""
+        check_cut(d.cfg.target, msg.cut or d.cfg.default_cut)
+
+    def policy(self, d, msg) -> str:
+        return self.name
+
+    async def run(self, req) -> None:
+        await run(req)
 
 
 async def _reply(ch, kind, rec):

@@ -22,25 +22,21 @@ import math
 
 from common import metrics, protocol
 from common.protocol import Msg, ProtocolError
-from common.runtime import Service
+from common.runtime import Service, Session
 from services.drafter.config import DrafterConfig
 from services.drafter.engine import MAX_Q_WIDTH, DraftError, DraftModel, DraftSession
 
 
-class Session:
-    """Per-session state around the engine's DraftSession."""
+class DrafterSession(Session):
+    """A session around the engine's DraftSession (`busy`: a step of it is on the compute
+    thread)."""
 
     def __init__(self, sid: str, ident: bytes, rid: int, seq: int, draft: DraftSession):
-        self.sid = sid
-        self.ident = ident
-        self.rid = rid
-        self.open_seq = seq
+        super().__init__(sid, ident, rid, seq)
         self.draft = draft
         self.prefilled = False
         self.epoch = 0           # seq of the last rollback: tags every DraftTokens
         self.limit = 0           # draft while len(context) < limit
-        self.busy = False        # a step of this session is on the compute thread
-        self.closed = False
         self.pending: list[Msg] = []   # rollbacks / requests that arrived during a step, in order
 
     def wants_step(self) -> bool:
@@ -55,7 +51,6 @@ class Drafter(Service):
         super().__init__(cfg)
         self.cfg: DrafterConfig = cfg
         self.model: DraftModel | None = None
-        self.sessions: dict[str, Session] = {}
         self.order: list[str] = []      # round-robin order of session ids
         self.turn = 0
         self.wakeup = asyncio.Event()
@@ -81,29 +76,12 @@ class Drafter(Service):
             self.model.close()
 
     # --- handlers -------------------------------------------------------------------------------
-    def _session(self, msg: Msg) -> Session:
-        s = self.sessions.get(msg.sid)
-        if s is None:
-            raise ProtocolError(protocol.UNKNOWN_SESSION, f"no drafter session {msg.sid!r}")
-        return s
-
     async def on_open(self, ident: bytes, msg: protocol.DraftOpen, frames) -> None:
-        old = self.sessions.get(msg.sid)
-        if old is not None:
-            if old.open_seq == msg.seq:
-                return  # idempotent retry: the Ack follows the prefill
-            raise ProtocolError(protocol.SESSION_EXISTS, f"session {msg.sid!r} is already open")
-        if not msg.sid:
-            raise ProtocolError(protocol.BAD_FIELD, "sid must not be empty")
-        if len(self.sessions) >= self.cfg.max_sessions:
-            raise ProtocolError(protocol.BUSY, f"{len(self.sessions)} sessions open (max_sessions)")
-        if not msg.token_ids:
-            raise ProtocolError(protocol.BAD_FIELD, "empty prompt")
-        if len(msg.token_ids) > self.limits.max_prompt_tokens:
-            raise ProtocolError(protocol.TOO_LARGE, f"prompt of {len(msg.token_ids)} tokens > "
-                                                    f"max_prompt_tokens {self.limits.max_prompt_tokens}")
+        if self.sessions.admit(msg, msg.token_ids) is not None:
+            return  # a retry of this open: the Ack follows the prefill
         if not 1 <= msg.top_k <= MAX_Q_WIDTH:
-            raise ProtocolError(protocol.BAD_FIELD, f"top_k must be in [1, {MAX_Q_WIDTH}]")
+            raise ProtocolError(protocol.BAD_FIELD, f"top_k must be in [1, {MAX_Q_WIDTH}]",
+                                field="top_k")
         s = msg.sampling
         protocol.check_sampling(s, self.model.n_vocab)
         if msg.max_tokens:
@@ -119,27 +97,26 @@ class Drafter(Service):
                                        self.cfg.n_batch)
         except DraftError as e:
             raise ProtocolError(protocol.BAD_FIELD, str(e)) from None
-        sess = Session(msg.sid, ident, msg.rid, msg.seq, draft)
+        sess = DrafterSession(msg.sid, ident, msg.rid, msg.seq, draft)
         sess.limit = len(draft.tokens)
-        self.sessions[msg.sid] = sess
+        self.sessions.add(sess)
         self.order.append(msg.sid)
-        metrics.SESSIONS.labels(self.name).set(len(self.sessions))
         self.wakeup.set()
 
     async def on_request(self, ident: bytes, msg: protocol.DraftRequest, frames) -> None:
-        s = self._session(msg)
+        s = self.sessions.find(msg)
         s.ident, s.rid = ident, msg.rid
         if s.busy:
             s.pending.append(msg)   # after the step, and after any rollback queued before it
         else:
             self._request(s, msg)
 
-    def _request(self, s: Session, msg: protocol.DraftRequest) -> None:
+    def _request(self, s: DrafterSession, msg: protocol.DraftRequest) -> None:
         if msg.seq >= s.epoch:       # else it was sent before a rollback already applied
             self._set_limit(s, msg.until, msg.n)
 
     async def on_rollback(self, ident: bytes, msg: protocol.DraftRollback, frames) -> None:
-        s = self._session(msg)
+        s = self.sessions.find(msg)
         s.ident, s.rid = ident, msg.rid
         queued = [m.seq for m in s.pending if isinstance(m, protocol.DraftRollback)]
         if msg.seq <= max([s.epoch] + queued):
@@ -149,7 +126,7 @@ class Drafter(Service):
         else:
             await self._apply_rollback(s, msg)
 
-    async def _apply_rollback(self, s: Session, msg: protocol.DraftRollback) -> None:
+    async def _apply_rollback(self, s: DrafterSession, msg: protocol.DraftRollback) -> None:
         try:
             s.draft.rollback(msg.keep, list(msg.append))
         except DraftError as e:
@@ -159,31 +136,24 @@ class Drafter(Service):
         s.limit = len(s.draft.tokens)
         self._set_limit(s, msg.until, 0)
 
-    def _set_limit(self, s: Session, until: int, n: int) -> None:
+    def _set_limit(self, s: DrafterSession, until: int, n: int) -> None:
         end = len(s.draft.tokens)
         want = until if until > 0 else end + n
         s.limit = min(want, end + self.cfg.max_lookahead, s.draft.n_ctx)
         if s.limit > end:
             self.wakeup.set()
 
-    def open_sessions(self):
-        return list(self.sessions)
+    def session_dropped(self, s: DrafterSession) -> None:
+        self.order.remove(s.sid)
+        if not s.busy:
+            self._free(s)   # else the step in flight frees it when it ends
 
-    async def drop_session(self, sid: str) -> None:
-        s = self.sessions.pop(sid, None)
-        if s is not None:
-            s.closed = True
-            self.order.remove(s.sid)
-            if not s.busy:
-                self._free(s)   # else the step in flight frees it when it ends
-        metrics.SESSIONS.labels(self.name).set(len(self.sessions))
-
-    def _free(self, s: Session) -> None:
+    def _free(self, s: DrafterSession) -> None:
         s.closed = True
         s.draft.close()
 
     # --- the drafting loop ----------------------------------------------------------------------
-    def _next(self) -> Session | None:
+    def _next(self) -> DrafterSession | None:
         n = len(self.order)
         for i in range(n):
             sid = self.order[(self.turn + i) % n]
@@ -207,7 +177,7 @@ class Drafter(Service):
                 await self.fail_session(s.ident, protocol.DraftRequest(sid=s.sid, seq=s.epoch,
                                                                        rid=s.rid), "drafting", e)
 
-    async def _step(self, s: Session) -> None:
+    async def _step(self, s: DrafterSession) -> None:
         """One step of one session: its prefill, or one draft token, then a pending rollback."""
         s.busy = True
         epoch = s.epoch
@@ -230,9 +200,7 @@ class Drafter(Service):
                              code, str(result))
             s.limit = len(s.draft.tokens)
             if not s.prefilled:   # a session that cannot hold its prompt is gone
-                self.sessions.pop(s.sid, None)
-                self.order.remove(s.sid)
-                self._free(s)
+                await self.drop_session(s.sid)
         elif not s.prefilled:
             s.prefilled = True
             metrics.FORWARD.labels(self.name, "prefill").observe(seconds)
@@ -248,7 +216,7 @@ class Drafter(Service):
             else:
                 self._request(s, m)
 
-    def _tokens_msg(self, s: Session, d) -> tuple[protocol.DraftTokens, list]:
+    def _tokens_msg(self, s: DrafterSession, d) -> tuple[protocol.DraftTokens, list]:
         msg = protocol.DraftTokens(sid=s.sid, seq=s.epoch, rid=s.rid, start=d.position,
                                    token_ids=[d.token], probs=[min(1.0, d.prob)],
                                    seconds=d.seconds)

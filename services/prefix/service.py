@@ -28,7 +28,7 @@ import torch
 from common import metrics, protocol
 from common.protocol import Msg, ProtocolError
 from common.runner import Segment
-from common.runtime import Service
+from common.runtime import Service, Session, check_token_ids
 from services.prefix.config import PrefixConfig
 
 WIRE_DTYPES = ("auto", "float16", "bfloat16", "float32")
@@ -52,15 +52,11 @@ def run_prefixes(runner, items: list[tuple[object, torch.Tensor, int]]) -> list[
     return out  # type: ignore[return-value]
 
 
-class PrefixSession:
-    def __init__(self, sid: str, cut: int, kv):
-        self.sid = sid
+class PrefixSession(Session):
+    def __init__(self, sid: str, seq: int, cut: int, kv):
+        super().__init__(sid, seq=seq)
         self.cut = cut
         self.kv = kv
-        self.seq = -1            # seq of the latest request taken (open or step)
-        self.reply: tuple[Msg, list] | None = None  # answer to that request, for retries
-        self.busy = False        # a request is queued or running
-        self.closed = False
 
 
 @dataclass
@@ -79,7 +75,6 @@ class Prefix(Service):
         super().__init__(cfg)
         self.cfg: PrefixConfig = cfg
         self.runner = None
-        self.sessions: dict[str, PrefixSession] = {}
         self.queue: list[Work] = []
         self.wakeup = asyncio.Event()
         self.route(protocol.PrefixOpen, self.on_open)
@@ -107,71 +102,37 @@ class Prefix(Service):
         self.spawn_loop("step", self.loop())
 
     # --- requests -------------------------------------------------------------------------------
-    def check_tokens(self, ids: list[int]) -> None:
-        bad = [t for t in ids if not 0 <= t < self.runner.vocab_size]
-        if bad:
-            raise ProtocolError(protocol.BAD_FIELD, f"token ids outside the vocabulary "
-                                                    f"[0, {self.runner.vocab_size}): {bad[:5]}")
-
-    async def retry(self, ident: bytes, s: PrefixSession, msg: Msg) -> bool:
-        """A resent request (same seq) is answered from state, never run twice."""
-        if msg.seq != s.seq:
-            return False
-        if s.reply is not None and not s.busy:
-            reply, buffers = s.reply
-            reply.rid = msg.rid
-            await self.send(ident, reply, buffers)
-        return True  # still running: its answer is on the way
-
     async def on_open(self, ident: bytes, msg: protocol.PrefixOpen, frames) -> None:
-        s = self.sessions.get(msg.sid)
-        if s is not None:
-            if await self.retry(ident, s, msg):
+        old = self.sessions.admit(msg, msg.token_ids, self.runner.vocab_size)
+        if old is not None:
+            if await self.answer_retry(ident, old, msg):
                 return
-            raise ProtocolError(protocol.SESSION_EXISTS, f"session {msg.sid!r} is already open")
-        if not msg.sid:
-            raise ProtocolError(protocol.BAD_FIELD, "sid must not be empty")
+            raise ProtocolError(protocol.SESSION_EXISTS, f"session {msg.sid!r} is already open",
+                                field="sid")
         if not 1 <= msg.cut <= self.c_max:
             raise ProtocolError(protocol.BAD_FIELD, f"cut {msg.cut} outside [1, {self.c_max}]: "
-                                                    f"this prefix holds layers [0, {self.c_max})")
-        if len(self.sessions) >= self.cfg.max_sessions:
-            raise ProtocolError(protocol.BUSY, f"{len(self.sessions)} sessions open (max_sessions)")
-        if not msg.token_ids:
-            raise ProtocolError(protocol.BAD_FIELD, "empty prompt")
-        if len(msg.token_ids) > self.limits.max_prompt_tokens:
-            raise ProtocolError(protocol.TOO_LARGE, f"prompt of {len(msg.token_ids)} tokens > "
-                                                    f"max_prompt_tokens {self.limits.max_prompt_tokens}")
-        self.check_tokens(msg.token_ids)
-        s = self.sessions[msg.sid] = PrefixSession(msg.sid, msg.cut, self.runner.new_kv(0, msg.cut))
-        metrics.SESSIONS.labels(self.name).set(len(self.sessions))
+                                f"this prefix holds layers [0, {self.c_max})", field="cut")
+        s = PrefixSession(msg.sid, msg.seq, msg.cut, self.runner.new_kv(0, msg.cut))
+        self.sessions.add(s)
         self.enqueue(ident, s, msg, msg.token_ids)
 
     async def on_step(self, ident: bytes, msg: protocol.PrefixStep, frames) -> None:
-        s = self.sessions.get(msg.sid)
-        if s is None:
-            raise ProtocolError(protocol.UNKNOWN_SESSION, f"no prefix session {msg.sid!r}")
-        if await self.retry(ident, s, msg):
+        s = self.sessions.find(msg)
+        if await self.answer_retry(ident, s, msg):
             return
         if msg.seq < s.seq:
-            raise ProtocolError(protocol.BAD_FIELD, f"stale step: seq {msg.seq} < {s.seq}")
+            raise ProtocolError(protocol.BAD_FIELD, f"stale step: seq {msg.seq} < {s.seq}",
+                                field="seq")
         if s.busy:
-            raise ProtocolError(protocol.BAD_FIELD, f"session {msg.sid!r} has a step in flight")
-        self.check_tokens([msg.token_id])
+            raise ProtocolError(protocol.BAD_FIELD, f"session {msg.sid!r} has a step in flight",
+                                field="seq")
+        check_token_ids([msg.token_id], self.runner.vocab_size, "token_id")
         self.enqueue(ident, s, msg, [msg.token_id])
 
     def enqueue(self, ident: bytes, s: PrefixSession, msg: Msg, ids: list[int]) -> None:
         s.seq, s.busy, s.reply = msg.seq, True, None
         self.queue.append(Work(s, torch.tensor(ids, dtype=torch.long), s.kv.length(), ident, msg))
         self.wakeup.set()
-
-    def open_sessions(self):
-        return list(self.sessions)
-
-    async def drop_session(self, sid: str) -> None:
-        s = self.sessions.pop(sid, None)
-        if s is not None:
-            s.closed = True
-        metrics.SESSIONS.labels(self.name).set(len(self.sessions))
 
     # --- the step loop --------------------------------------------------------------------------
     def step(self, batch: list[Work]) -> list[tuple[torch.Tensor, float]]:

@@ -25,7 +25,7 @@ import torch
 
 from common import metrics, protocol, sampling
 from common.protocol import Msg, ProtocolError
-from common.runtime import Service
+from common.runtime import Service, Session
 from services.suffix.config import SuffixConfig
 from services.suffix.executor import PHASES, Item, execute
 from services.suffix.planning import SCHEDULERS, Request, RoundRobin, plan_window
@@ -34,16 +34,12 @@ from services.suffix.window import WindowBuilder, WindowConfig
 HIDDEN_DTYPES = ("float16", "bfloat16", "float32")
 
 
-class SuffixSession:
-    def __init__(self, sid: str, cut: int, kv, sampling_cfg: protocol.Sampling):
-        self.sid = sid
+class SuffixSession(Session):
+    def __init__(self, sid: str, seq: int, cut: int, kv, sampling_cfg: protocol.Sampling):
+        super().__init__(sid, seq=seq)
         self.cut = cut
         self.kv = kv
         self.sampling = sampling_cfg
-        self.seq = -1          # seq of the latest request taken (open or step)
-        self.reply: protocol.SuffixToken | None = None  # its answer, for retries
-        self.busy = False      # a request is waiting or running
-        self.closed = False
 
 
 @dataclass
@@ -70,7 +66,6 @@ class Suffix(Service):
         self.padded = cfg.paper_padding and cfg.scheduler in ("exact", "dsb")
         self.rr = RoundRobin()
         self.runner = None
-        self.sessions: dict[str, SuffixSession] = {}
         self.pending: dict[str, Pending] = {}   # sid -> its waiting step (one per session)
         self.wakeup = asyncio.Event()
         self.last_end = 0.0                     # when the previous window's compute ended
@@ -105,59 +100,45 @@ class Suffix(Service):
             raise ProtocolError(protocol.BAD_TENSOR, "hidden holds non-finite values")
         return x
 
-    async def retry(self, ident: bytes, s: SuffixSession, msg: Msg) -> bool:
-        """A resent request (same seq) is answered from state, never run twice."""
-        if msg.seq != s.seq:
-            return False
-        if s.reply is not None and not s.busy:
-            s.reply.rid = msg.rid
-            await self.send(ident, s.reply)
-        return True
-
     async def on_open(self, ident: bytes, msg: protocol.SuffixOpen, frames) -> None:
-        s = self.sessions.get(msg.sid)
-        if s is not None:
-            if await self.retry(ident, s, msg):
+        old = self.sessions.admit(msg)
+        if old is not None:
+            if await self.answer_retry(ident, old, msg):
                 return
-            raise ProtocolError(protocol.SESSION_EXISTS, f"session {msg.sid!r} is already open")
-        if not msg.sid:
-            raise ProtocolError(protocol.BAD_FIELD, "sid must not be empty")
+            raise ProtocolError(protocol.SESSION_EXISTS, f"session {msg.sid!r} is already open",
+                                field="sid")
         if not 1 <= msg.cut <= self.L - 1:
             raise ProtocolError(protocol.BAD_FIELD, f"cut {msg.cut} outside [1, {self.L - 1}] "
-                                                    f"for a {self.L}-layer model")
+                                                    f"for a {self.L}-layer model", field="cut")
         if msg.start != 0:
-            raise ProtocolError(protocol.BAD_FIELD, f"open must start at position 0, got {msg.start}")
-        sm = msg.sampling
-        protocol.check_sampling(sm, self.runner.vocab_size)
-        if len(self.sessions) >= self.cfg.max_sessions:
-            raise ProtocolError(protocol.BUSY, f"{len(self.sessions)} sessions open (max_sessions)")
+            raise ProtocolError(protocol.BAD_FIELD, f"open must start at position 0, got "
+                                                    f"{msg.start}", field="start")
+        protocol.check_sampling(msg.sampling, self.runner.vocab_size)
         x = self.hidden(msg.hidden, frames)
-        if x.shape[0] > self.limits.max_prompt_tokens:
-            raise ProtocolError(protocol.TOO_LARGE, f"prompt of {x.shape[0]} positions > "
-                                                    f"max_prompt_tokens {self.limits.max_prompt_tokens}")
-        s = SuffixSession(msg.sid, msg.cut, self.runner.new_kv(msg.cut, self.L), sm)
-        self.sessions[msg.sid] = s
-        metrics.SESSIONS.labels(self.name).set(len(self.sessions))
+        self.sessions.admit(msg, x.shape[0])   # the prompt is as long as its hidden sequence
+        s = SuffixSession(msg.sid, msg.seq, msg.cut, self.runner.new_kv(msg.cut, self.L),
+                          msg.sampling)
+        self.sessions.add(s)
         self.enqueue(ident, s, msg, x)
 
     async def on_step(self, ident: bytes, msg: protocol.SuffixStep, frames) -> None:
-        s = self.sessions.get(msg.sid)
-        if s is None:
-            raise ProtocolError(protocol.UNKNOWN_SESSION, f"no suffix session {msg.sid!r} "
-                                                          f"(never opened, or closed)")
-        if await self.retry(ident, s, msg):
+        s = self.sessions.find(msg)
+        if await self.answer_retry(ident, s, msg):
             return
         if msg.seq < s.seq:
-            raise ProtocolError(protocol.BAD_FIELD, f"stale step: seq {msg.seq} < {s.seq}")
+            raise ProtocolError(protocol.BAD_FIELD, f"stale step: seq {msg.seq} < {s.seq}",
+                                field="seq")
         if s.busy:
-            raise ProtocolError(protocol.BAD_FIELD, f"session {msg.sid!r} has a step in flight")
+            raise ProtocolError(protocol.BAD_FIELD, f"session {msg.sid!r} has a step in flight",
+                                field="seq")
         if msg.start != s.kv.length():
             raise ProtocolError(protocol.BAD_FIELD, f"step at position {msg.start}, but session "
-                                                    f"{msg.sid!r} holds {s.kv.length()} positions")
+                                f"{msg.sid!r} holds {s.kv.length()} positions", field="start")
         x = self.hidden(msg.hidden, frames)
         if x.shape[0] != 1:
             raise ProtocolError(protocol.BAD_TENSOR, f"a decode step carries one hidden state "
-                                                     f"[1, {self.runner.hidden_size}], got {list(x.shape)}")
+                                f"[1, {self.runner.hidden_size}], got {list(x.shape)}",
+                                field="hidden")
         self.enqueue(ident, s, msg, x)
 
     def enqueue(self, ident: bytes, s: SuffixSession, msg: Msg, x: torch.Tensor) -> None:
@@ -167,22 +148,16 @@ class Suffix(Service):
         self.builder.add(Request(s.sid, s.cut, x.shape[0], now), now)
         self.wakeup.set()
 
-    def open_sessions(self):
-        return list(self.sessions)
-
     def load(self) -> tuple[int, int, int]:
         """Reported in Pong for placement (services/dispatcher/placement.py): sessions, hidden
         positions waiting for a forward, KV bytes."""
         queued = sum(int(p.x.shape[0]) for p in self.pending.values())
-        return len(self.sessions), queued, sum(s.kv.nbytes() for s in self.sessions.values())
+        sessions = self.sessions.values()
+        return len(sessions), queued, sum(s.kv.nbytes() for s in sessions)
 
-    async def drop_session(self, sid: str) -> None:
-        s = self.sessions.pop(sid, None)
-        if s is not None:
-            s.closed = True
-            self.unqueue(sid)
-            self.rr.drop(sid)
-        metrics.SESSIONS.labels(self.name).set(len(self.sessions))
+    def session_dropped(self, s: SuffixSession) -> None:
+        self.unqueue(s.sid)
+        self.rr.drop(s.sid)
 
     def unqueue(self, sid: str) -> None:
         if self.pending.pop(sid, None) is not None:
@@ -281,7 +256,7 @@ class Suffix(Service):
                 reply = protocol.SuffixToken(sid=s.sid, seq=p.msg.seq, rid=p.msg.rid,
                                              position=s.kv.length(), token=token, seconds=dt,
                                              queued=start - p.arrival)
-                s.reply, s.busy = reply, False
+                s.reply, s.busy = (reply, []), False
                 if not s.closed:
                     await self.send(p.ident, reply)
             metrics.KV_BYTES.labels(self.name).set(sum(s.kv.nbytes() for s in self.sessions.values()))

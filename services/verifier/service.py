@@ -4,90 +4,26 @@ It holds one KV cache per session and runs every session that has work in ONE ra
 pass per step (the engine loop below): prefills, cloud-only decode steps and speculative draft
 batches of different sessions share the projections and MLPs, each attending to its own cache.
 
-A session type decides what it feeds and what it does with the logits:
-* `CloudSession` (cloud-only mode): prefill, then one token per step, streamed back.
-* speculative sessions live in services/verifier/spec.py and plug into the same loop.
+A session type decides what it feeds and what it does with the logits
+(services/verifier/engine.py: `CloudSession`; services/verifier/spec.py: `SpecSession`); this
+module is the I/O around them: admission, the handlers, and the loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from common import metrics, protocol, sampling
+from common import metrics, protocol
 from common.protocol import Msg, ProtocolError
-from common.runtime import Service
+from common.runtime import Service, check_token_ids
+from services.verifier import spec_verify
 from services.verifier.config import VerifierConfig
-
-
-@dataclass
-class Work:
-    """What a session feeds into one step."""
-    token_ids: list[int]
-    logits: str          # "last" | "all" | "none" (prefill chunk whose logits nobody needs)
-    phase: str           # metrics label: prefill | decode | verify
-
-
-class EngineSession:
-    """Base of per-session state in the engine loop."""
-
-    def __init__(self, sid: str, ident: bytes, rid: int, seq: int, kv):
-        self.sid = sid
-        self.ident = ident
-        self.rid = rid
-        self.seq = seq
-        self.kv = kv
-        self.closed = False
-
-    def next_work(self, budget: int) -> Work | None:
-        raise NotImplementedError
-
-    def consume(self, work: Work, logits: torch.Tensor) -> list[Msg]:
-        """Handle the step's logits; return the messages to send to the session's peer."""
-        raise NotImplementedError
-
-
-class CloudSession(EngineSession):
-    """Cloud-only generation: prefill (chunked), then autoregressive decode."""
-
-    def __init__(self, sid, ident, rid, seq, kv, req: protocol.CloudGenerate):
-        super().__init__(sid, ident, rid, seq, kv)
-        self.pending = list(req.token_ids)   # tokens not yet in the cache
-        self.sampling = req.sampling
-        self.max_tokens = req.max_tokens
-        self.eos = req.eos_token_id
-        self.generated: list[int] = []
-
-    def next_work(self, budget: int) -> Work | None:
-        if not self.pending or self.closed:
-            return None
-        take = self.pending[:budget]
-        last_chunk = len(take) == len(self.pending)
-        phase = "decode" if self.generated else "prefill"
-        return Work(take, "last" if last_chunk else "none", phase)
-
-    def consume(self, work: Work, logits: torch.Tensor) -> list[Msg]:
-        del self.pending[:len(work.token_ids)]
-        if work.logits == "none":
-            return []
-        position = self.kv.length()
-        token = sampling.sample(logits[-1], self.sampling, position)
-        self.generated.append(token)
-        done, reason = False, ""
-        if self.eos is not None and token == self.eos:
-            done, reason = True, "eos"
-        elif len(self.generated) >= self.max_tokens:
-            done, reason = True, "length"
-        if not done:
-            self.pending = [token]
-        else:
-            self.closed = True
-        return [protocol.CloudTokens(sid=self.sid, seq=self.seq, rid=self.rid,
-                                     index=len(self.generated) - 1, token_ids=[token], done=done,
-                                     finish_reason=reason)]
+from services.verifier.engine import CloudSession, EngineSession, Work
+from services.verifier.spec import MAX_Q_WIDTH, SpecSession
 
 
 class Verifier(Service):
@@ -97,13 +33,12 @@ class Verifier(Service):
         super().__init__(cfg)
         self.cfg: VerifierConfig = cfg
         self.runner = None
-        self.sessions: dict[str, EngineSession] = {}
         self.wakeup = asyncio.Event()
         self.route(protocol.CloudGenerate, self.on_cloud_generate)
+        self.route(protocol.SpecOpen, self.on_spec_open)
+        self.route(protocol.DraftBatch, self.on_draft_batch)
+        self.route(protocol.VerifyRequest, self.on_verify)
         self.route(protocol.Close, self.on_close)
-        # speculative mode registers its handlers on this service
-        from services.verifier import spec  # noqa: PLC0415
-        spec.install(self)
 
     async def setup(self) -> None:
         from common import models  # noqa: PLC0415
@@ -120,67 +55,96 @@ class Verifier(Service):
         metrics.declare_verifier(self.name)
         self.spawn_loop("engine", self.engine_loop())
 
-    # --- admission ------------------------------------------------------------------------------
-    def check_tokens(self, token_ids: list[int], what: str = "token_ids") -> None:
-        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ProtocolError(protocol.BAD_FIELD,
-                                f"{what} holds ids outside the vocabulary [0, {self.vocab_size}): "
-                                f"{bad[:5]}")
-
-    def admit(self, msg: Msg, prompt: list[int]) -> bool:
-        """Common checks for opening a session. False = a retry of an open already done."""
-        old = self.sessions.get(msg.sid)
-        if old is not None:
-            if old.seq == msg.seq:
-                return False  # idempotent retry: already open
-            raise ProtocolError(protocol.SESSION_EXISTS, f"session {msg.sid!r} is already open")
-        if not msg.sid:
-            raise ProtocolError(protocol.BAD_FIELD, "sid must not be empty")
-        if len(self.sessions) >= self.cfg.max_sessions:
-            raise ProtocolError(protocol.BUSY,
-                                f"{len(self.sessions)} sessions open (max_sessions)")
-        if not prompt:
-            raise ProtocolError(protocol.BAD_FIELD, "empty prompt")
-        if len(prompt) > self.limits.max_prompt_tokens:
-            raise ProtocolError(protocol.TOO_LARGE, f"prompt of {len(prompt)} tokens > "
-                                                   f"max_prompt_tokens {self.limits.max_prompt_tokens}")
-        self.check_tokens(prompt)
-        return True
-
+    # --- admission and handlers ----------------------------------------------------------------
     def add(self, session: EngineSession) -> None:
-        self.sessions[session.sid] = session
-        metrics.SESSIONS.labels(self.name).set(len(self.sessions))
+        self.sessions.add(session)
         self.wakeup.set()
-
-    def drop(self, sid: str) -> None:
-        s = self.sessions.pop(sid, None)
-        if s is not None:
-            s.closed = True
-        metrics.SESSIONS.labels(self.name).set(len(self.sessions))
-
-    async def on_cloud_generate(self, ident: bytes, msg: protocol.CloudGenerate, frames) -> None:
-        if not self.admit(msg, msg.token_ids):
-            old = self.sessions[msg.sid]
-            if not isinstance(old, CloudSession):  # same sid and seq, but another kind of session
-                raise ProtocolError(protocol.SESSION_EXISTS, f"session {msg.sid!r} is already open")
-            old.ident, old.rid = ident, msg.rid    # a retry: the stream goes to whoever asked last
-            return
-        self.add(CloudSession(msg.sid, ident, msg.rid, msg.seq, self.runner.new_kv(), msg))
-
-    def open_sessions(self):
-        return list(self.sessions)
 
     def load(self) -> tuple[int, int, int]:
         """Reported in Pong for placement (services/dispatcher/placement.py): sessions, tokens
         waiting for a forward (a cloud session's pending tokens, a speculative one's prefill),
         KV bytes."""
+        sessions = self.sessions.values()
         queued = sum(len(getattr(s, "pending", None) or getattr(s, "prefill", None) or ())
-                     for s in self.sessions.values())
-        return len(self.sessions), queued, sum(s.kv.nbytes() for s in self.sessions.values())
+                     for s in sessions)
+        return len(sessions), queued, sum(s.kv.nbytes() for s in sessions)
 
-    async def drop_session(self, sid: str) -> None:
-        self.drop(sid)
+    def retried_open(self, ident: bytes, msg: Msg, kind: type) -> EngineSession | None:
+        """Admission for an open; the session when `msg` repeats its open (its replies now go to
+        `ident` and `msg.rid`: whoever asked last), None for a new session."""
+        old = self.sessions.admit(msg, msg.token_ids, self.vocab_size)
+        if old is None:
+            return None
+        if not isinstance(old, kind):   # same sid and seq, but another kind of session
+            raise ProtocolError(protocol.SESSION_EXISTS, f"session {msg.sid!r} is already open",
+                                field="sid")
+        old.ident, old.rid = ident, msg.rid
+        return old
+
+    async def on_cloud_generate(self, ident: bytes, msg: protocol.CloudGenerate, frames) -> None:
+        if self.retried_open(ident, msg, CloudSession) is not None:
+            return   # the stream goes on, to whoever asked last
+        self.add(CloudSession(msg.sid, ident, msg.rid, msg.seq, self.runner.new_kv(), msg))
+
+    async def on_spec_open(self, ident: bytes, msg: protocol.SpecOpen, frames) -> None:
+        old = self.retried_open(ident, msg, SpecSession)
+        if old is not None:
+            if old.prefilled:
+                await self.send(ident, protocol.Ack(sid=msg.sid, seq=msg.seq, rid=msg.rid))
+            return
+        protocol.check_sampling(msg.sampling, self.vocab_size)
+        s = SpecSession(msg.sid, ident, msg.rid, msg.seq, self.runner.new_kv(),
+                        list(msg.token_ids), msg.sampling, msg.stream and self.cfg.stream_verify,
+                        self.vocab_size, self.limits.max_tokens)
+        self.add(s)
+        if s.prefilled:   # a one-token prompt: nothing to prefill
+            await self.send(ident, protocol.Ack(sid=msg.sid, seq=msg.seq, rid=msg.rid))
+
+    def spec_session(self, ident: bytes, msg: Msg) -> SpecSession:
+        s = self.sessions.get(msg.sid)
+        if not isinstance(s, SpecSession):
+            raise ProtocolError(protocol.UNKNOWN_SESSION, f"no speculative session {msg.sid!r}",
+                                field="sid")
+        s.ident, s.rid = ident, msg.rid   # replies follow the latest connection and channel
+        return s
+
+    async def on_draft_batch(self, ident: bytes, msg: protocol.DraftBatch, frames) -> None:
+        s = self.spec_session(ident, msg)
+        if not msg.token_ids:
+            raise ProtocolError(protocol.BAD_FIELD, "empty draft batch", field="token_ids")
+        check_token_ids(msg.token_ids, self.vocab_size)
+        q_ids = q_probs = None
+        if not s.greedy:
+            if msg.q_ids is None or msg.q_probs is None:
+                raise ProtocolError(protocol.BAD_FIELD, "sampling needs q_ids and q_probs",
+                                    field="q_ids")
+            q_ids = protocol.tensor_numpy(msg.q_ids, frames)
+            q_probs = protocol.tensor_numpy(msg.q_probs, frames).astype(np.float32)
+            if q_ids.ndim == 2 and q_ids.shape[1] > MAX_Q_WIDTH:
+                raise ProtocolError(protocol.TOO_LARGE, f"q wider than {MAX_Q_WIDTH}",
+                                    field="q_ids")
+            why = spec_verify.check_q(list(msg.token_ids), q_ids, q_probs, self.vocab_size)
+            if why:
+                raise ProtocolError(protocol.BAD_FIELD, why, field="q_probs")
+            q_ids = q_ids.astype(np.int64)
+        # acknowledge first: the dispatcher times batches by this Ack (its α/β fit)
+        await self.send(ident, protocol.Ack(sid=msg.sid, seq=msg.seq, rid=msg.rid))
+        s.on_batch(msg, q_ids, q_probs)
+        await self.flush(s)
+
+    async def on_verify(self, ident: bytes, msg: protocol.VerifyRequest, frames) -> None:
+        s = self.spec_session(ident, msg)
+        stored = s.on_verify(msg)
+        if stored is not None:
+            await self.send(ident, stored)
+            return
+        await self.flush(s)
+
+    async def flush(self, s: SpecSession) -> None:
+        """Send the results of every round `s` can resolve now; wake the loop for the rest."""
+        for reply in s.resolve():
+            await self.send(s.ident, reply)
+        self.wakeup.set()
 
     # --- the engine loop ------------------------------------------------------------------------
     def plan_step(self) -> list[tuple[EngineSession, Work]]:
@@ -256,7 +220,7 @@ class Verifier(Service):
                 for reply in replies:
                     await self.send(s.ident, reply)
                 if isinstance(s, CloudSession) and s.closed:
-                    self.drop(s.sid)
+                    self.sessions.pop(s.sid)
             metrics.KV_BYTES.labels(self.name).set(sum(s.kv.nbytes() for s in self.sessions.values()))
             await asyncio.sleep(0)  # let the socket deliver new work between steps
 

@@ -41,7 +41,7 @@ import torch
 from common import metrics, protocol, sampling
 from common.protocol import Msg, ProtocolError
 from services.verifier import spec_verify
-from services.verifier.service import EngineSession, Work
+from services.verifier.engine import EngineSession, Work
 
 KEEP_RESULTS = 256     # rounds whose results are remembered for repeated NAVs
 MAX_CHAIN = 64         # proactive rounds a session may have behind its active one
@@ -354,72 +354,3 @@ def _skip_first(msg: protocol.DraftBatch) -> protocol.DraftBatch:
 
 def _rows(a, k: int):
     return None if a is None else a[k:]
-
-
-# --- handlers on the verifier service ------------------------------------------------------------
-def install(service) -> None:
-    """Register the speculative-mode handlers on the verifier service."""
-
-    def session(ident: bytes, msg: Msg) -> SpecSession:
-        s = service.sessions.get(msg.sid)
-        if not isinstance(s, SpecSession):
-            raise ProtocolError(protocol.UNKNOWN_SESSION, f"no speculative session {msg.sid!r}")
-        s.ident, s.rid = ident, msg.rid   # replies follow the latest connection and channel
-        return s
-
-    async def flush(s: SpecSession) -> None:
-        for reply in s.resolve():
-            await service.send(s.ident, reply)
-        service.wakeup.set()
-
-    async def on_open(ident: bytes, msg: protocol.SpecOpen, frames) -> None:
-        if not service.admit(msg, msg.token_ids):    # a retry of this open
-            old = service.sessions[msg.sid]
-            if not isinstance(old, SpecSession):
-                raise ProtocolError(protocol.SESSION_EXISTS, f"session {msg.sid!r} is already open")
-            old.ident, old.rid = ident, msg.rid
-            if old.prefilled:
-                await service.send(ident, protocol.Ack(sid=msg.sid, seq=msg.seq, rid=msg.rid))
-            return
-        s = msg.sampling
-        protocol.check_sampling(s, service.vocab_size)
-        sess = SpecSession(msg.sid, ident, msg.rid, msg.seq, service.runner.new_kv(),
-                           list(msg.token_ids), s, msg.stream and service.cfg.stream_verify,
-                           service.vocab_size, service.limits.max_tokens)
-        service.add(sess)
-        if sess.prefilled:   # a one-token prompt: nothing to prefill
-            await service.send(ident, protocol.Ack(sid=msg.sid, seq=msg.seq, rid=msg.rid))
-
-    async def on_batch(ident: bytes, msg: protocol.DraftBatch, frames) -> None:
-        s = session(ident, msg)
-        if not msg.token_ids:
-            raise ProtocolError(protocol.BAD_FIELD, "empty draft batch")
-        service.check_tokens(msg.token_ids)
-        q_ids = q_probs = None
-        if not s.greedy:
-            if msg.q_ids is None or msg.q_probs is None:
-                raise ProtocolError(protocol.BAD_FIELD, "sampling needs q_ids and q_probs")
-            q_ids = protocol.tensor_numpy(msg.q_ids, frames)
-            q_probs = protocol.tensor_numpy(msg.q_probs, frames).astype(np.float32)
-            if q_ids.ndim == 2 and q_ids.shape[1] > MAX_Q_WIDTH:
-                raise ProtocolError(protocol.TOO_LARGE, f"q wider than {MAX_Q_WIDTH}")
-            why = spec_verify.check_q(list(msg.token_ids), q_ids, q_probs, service.vocab_size)
-            if why:
-                raise ProtocolError(protocol.BAD_FIELD, why)
-            q_ids = q_ids.astype(np.int64)
-        # acknowledge first: the dispatcher times batches by this Ack (its α/β fit)
-        await service.send(ident, protocol.Ack(sid=msg.sid, seq=msg.seq, rid=msg.rid))
-        s.on_batch(msg, q_ids, q_probs)
-        await flush(s)
-
-    async def on_verify(ident: bytes, msg: protocol.VerifyRequest, frames) -> None:
-        s = session(ident, msg)
-        stored = s.on_verify(msg)
-        if stored is not None:
-            await service.send(ident, stored)
-            return
-        await flush(s)
-
-    service.route(protocol.SpecOpen, on_open)
-    service.route(protocol.DraftBatch, on_batch)
-    service.route(protocol.VerifyRequest, on_verify)

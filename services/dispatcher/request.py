@@ -1,0 +1,118 @@
+"""One client request in flight on the dispatcher, and what every mode does with it.
+
+`Request.emit` is the only way tokens reach a client: it numbers them, stops at max_tokens / EOS,
+and never sends a token twice, whatever the mode does (DESIGN.md §5, invariant 5).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import TYPE_CHECKING
+
+from common import metrics, protocol
+
+if TYPE_CHECKING:   # for annotations only: the dispatcher imports this module
+    from services.dispatcher.service import Dispatcher
+
+
+class Detokenizer:
+    """Incremental detokenisation: emit text only once a token sequence decodes to whole
+    characters (a multi-byte character may span tokens)."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+
+    def push(self, token_ids: list[int]) -> str:
+        self.ids.extend(token_ids)
+        prefix = self.tok.decode(self.ids[self.prefix_offset:self.read_offset],
+                                 skip_special_tokens=True)
+        full = self.tok.decode(self.ids[self.prefix_offset:], skip_special_tokens=True)
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.ids)
+            return full[len(prefix):]
+        return ""
+
+
+class Request:
+    """One client request in flight."""
+
+    def __init__(self, d: Dispatcher, ident: bytes, msg: protocol.GenerateRequest,
+                 prompt_ids: list[int], mode: str, policy: str):
+        self.d = d
+        self.ident = ident
+        self.msg = msg
+        self.rid = msg.rid
+        self.sid = f"{msg.sid or 'req'}-{uuid.uuid4().hex[:10]}"   # unique across clients
+        self.prompt_ids = prompt_ids
+        self.mode = mode
+        self.policy = policy
+        self.sampling = msg.sampling
+        self.max_tokens = msg.max_tokens
+        self.eos = d.eos_token_id if msg.stop_at_eos else None
+        self.tokens: list[int] = []
+        self.finish_reason = ""
+        self.start = time.monotonic()
+        budget = msg.deadline_s if msg.deadline_s > 0 else d.cfg.request_timeout_s
+        self.deadline = self.start + budget
+        self.first_token_at = 0.0
+        self.last_token_at = 0.0
+        self.stats: dict = {}            # mode-specific figures, returned in Done.stats
+        self.cancelled = asyncio.Event()
+        self.detok = Detokenizer(d.tokenizer)
+
+    @property
+    def done(self) -> bool:
+        return bool(self.finish_reason)
+
+    def remaining(self) -> float:
+        return max(0.0, self.deadline - time.monotonic())
+
+    async def emit(self, token_ids: list[int], degraded: bool = False) -> bool:
+        """Append committed tokens to the client's stream. Returns False once the request is
+        complete (max_tokens reached or EOS emitted); tokens past that point are dropped."""
+        if self.done:
+            return False
+        out = []
+        for t in token_ids:
+            out.append(t)
+            if self.eos is not None and t == self.eos:
+                self.finish_reason = "eos"
+                break
+            if len(self.tokens) + len(out) >= self.max_tokens:
+                self.finish_reason = "length"
+                break
+        if not out:
+            return not self.done
+        now = time.monotonic()
+        labels = (self.d.name, self.mode, self.policy)
+        if not self.tokens:
+            self.first_token_at = now
+            metrics.TTFT.labels(*labels).observe(now - self.start)
+        else:
+            gap = (now - self.last_token_at) / len(out)
+            for _ in out:
+                metrics.ITL.labels(*labels).observe(gap)
+        self.last_token_at = now
+        index = len(self.tokens)
+        self.tokens.extend(out)
+        metrics.GENERATED_TOKENS.labels(*labels).inc(len(out))
+        await self.d.send(self.ident, protocol.TokenEvent(
+            sid=self.msg.sid, rid=self.rid, index=index, token_ids=out,
+            text=self.detok.push(out), degraded=degraded))
+        return not self.done
+
+    def summary(self) -> dict:
+        end = time.monotonic()
+        n = len(self.tokens)
+        stats = {"mode": self.mode, "policy": self.policy, "prompt_tokens": len(self.prompt_ids),
+                 "generated_tokens": n, "duration_s": end - self.start,
+                 "ttft_s": (self.first_token_at - self.start) if n else None,
+                 "tpt_s": (end - self.start) / n if n else None}
+        stats.update(self.stats)
+        return stats

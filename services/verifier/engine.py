@@ -1,0 +1,79 @@
+"""What the verifier's engine loop schedules: a session feeds `Work` into one ragged forward step
+and consumes its logits rows (services/verifier/service.py runs the loop).
+
+* `CloudSession` (cloud-only mode): prefill (chunked), then one token per step, streamed back.
+* `SpecSession` (speculative mode) lives in services/verifier/spec.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from common import protocol, sampling
+from common.protocol import Msg
+from common.runtime import Session
+
+
+@dataclass
+class Work:
+    """What a session feeds into one step."""
+    token_ids: list[int]
+    logits: str          # "last" | "all" | "none" (prefill chunk whose logits nobody needs)
+    phase: str           # metrics label: prefill | decode | verify
+
+
+class EngineSession(Session):
+    """A session the engine loop steps: it holds a KV cache of the whole model."""
+
+    def __init__(self, sid: str, ident: bytes, rid: int, seq: int, kv):
+        super().__init__(sid, ident, rid, seq)
+        self.kv = kv
+
+    def next_work(self, budget: int) -> Work | None:
+        raise NotImplementedError
+
+    def consume(self, work: Work, logits: torch.Tensor) -> list[Msg]:
+        """Handle the step's logits; return the messages to send to the session's peer."""
+        raise NotImplementedError
+
+
+class CloudSession(EngineSession):
+    """Cloud-only generation: prefill (chunked), then autoregressive decode."""
+
+    def __init__(self, sid, ident, rid, seq, kv, req: protocol.CloudGenerate):
+        super().__init__(sid, ident, rid, seq, kv)
+        self.pending = list(req.token_ids)   # tokens not yet in the cache
+        self.sampling = req.sampling
+        self.max_tokens = req.max_tokens
+        self.eos = req.eos_token_id
+        self.generated: list[int] = []
+
+    def next_work(self, budget: int) -> Work | None:
+        if not self.pending or self.closed:
+            return None
+        take = self.pending[:budget]
+        last_chunk = len(take) == len(self.pending)
+        phase = "decode" if self.generated else "prefill"
+        return Work(take, "last" if last_chunk else "none", phase)
+
+    def consume(self, work: Work, logits: torch.Tensor) -> list[Msg]:
+        del self.pending[:len(work.token_ids)]
+        if work.logits == "none":
+            return []
+        position = self.kv.length()
+        token = sampling.sample(logits[-1], self.sampling, position)
+        self.generated.append(token)
+        done, reason = False, ""
+        if self.eos is not None and token == self.eos:
+            done, reason = True, "eos"
+        elif len(self.generated) >= self.max_tokens:
+            done, reason = True, "length"
+        if not done:
+            self.pending = [token]
+        else:
+            self.closed = True
+        return [protocol.CloudTokens(sid=self.sid, seq=self.seq, rid=self.rid,
+                                     index=len(self.generated) - 1, token_ids=[token], done=done,
+                                     finish_reason=reason)]
