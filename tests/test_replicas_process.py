@@ -245,11 +245,14 @@ def test_rolling_restart_under_load(fleet, prompts, assert_same_tokens):
 
 
 @pytest.fixture()
-def solo(model_paths, tmp_path):
+def solo(model_paths, tmp_path, request):
+    """A verifier and a dispatcher; the test's parameter is the dispatcher's recovery_wait_s:
+    how long a replay waits for a verifier (long enough for a supervised restart, or short)."""
+    wait = str(getattr(request, "param", 4))
     c = Cluster(services=("verifier", "dispatcher"), ephemeral=True, logdir=tmp_path,
                 extra={"verifier": [*rel.ONE_THREAD, *rel.FAST_PEERS],
                        "dispatcher": [*rel.FAST_PEERS, "--stall-s", "8",
-                                      "--recovery-wait-s", "4"]})
+                                      "--recovery-wait-s", wait]})
     c.start_all()
     try:
         c.wait_ready(timeout=300)
@@ -258,6 +261,7 @@ def solo(model_paths, tmp_path):
         c.stop_all()
 
 
+@pytest.mark.parametrize("solo", [120], indirect=True)
 def test_kill_9_under_supervision_then_down_for_good(solo, prompts, assert_same_tokens):
     """`tandem up`'s supervisor restarts a verifier killed with SIGKILL; the request in flight
     is replayed and exact. Then, unsupervised, a killed verifier fails the next request
@@ -299,6 +303,7 @@ def test_kill_9_under_supervision_then_down_for_good(solo, prompts, assert_same_
     print({"gap_s": restarted_in, "unavailable_after_s": waited})
 
 
+@pytest.mark.parametrize("solo", [4], indirect=True)
 def test_replay_waits_bounded_then_unavailable(solo, prompts):
     """A request whose verifier dies mid-stream and never comes back ends `unavailable` after
     recovery_wait_s (4 s), not at its deadline (the issue's `kill -9` report)."""
