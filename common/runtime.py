@@ -175,11 +175,13 @@ class Service:
 
     name = "service"
 
-    def __init__(self, cfg: ServiceConfig):
+    def __init__(self, cfg: ServiceConfig, ctx: zmq.asyncio.Context | None = None):
         self.cfg = cfg
         self.limits = cfg.limits()
         self.log = logging.getLogger(f"tandem.{self.name}")
-        self.ctx = zmq.asyncio.Context()
+        # a shared context lets services in one process talk over inproc:// (tandem/inprocess.py)
+        self.ctx = ctx or zmq.asyncio.Context()
+        self._own_ctx = ctx is None
         self.sock: zmq.asyncio.Socket | None = None
         self.ready = False
         self.stopping: asyncio.Event | None = None  # created on the loop in serve()
@@ -225,6 +227,21 @@ class Service:
 
     def session_dropped(self, s: Session) -> None:
         """Free what a dropped session holds beyond its table entry; nothing by default."""
+
+    async def next_step(self, ident: bytes, msg: Msg) -> Session | None:
+        """The session a step (one request after its open, `seq` counting up) is for, when the
+        step is new; None when it repeats the latest one (answered from state). A step older
+        than the latest, or one sent while the latest still runs, is refused."""
+        s = self.sessions.find(msg)
+        if await self.answer_retry(ident, s, msg):
+            return None
+        if msg.seq < s.seq:
+            raise ProtocolError(protocol.BAD_FIELD, f"stale step: seq {msg.seq} < {s.seq}",
+                                field="seq")
+        if s.busy:
+            raise ProtocolError(protocol.BAD_FIELD, f"session {msg.sid!r} has a step in flight",
+                                field="seq")
+        return s
 
     async def answer_retry(self, ident: bytes, s: Session, msg: Msg) -> bool:
         """Is `msg` a resend of the session's latest request (same seq)? Then it is answered
@@ -539,7 +556,8 @@ class Service:
             self.sock.close(linger=LINGER_MS)
             if self.auth is not None:
                 self.auth.stop()
-            self.ctx.term()
+            if self._own_ctx:
+                self.ctx.term()
 
     def _unbind(self) -> None:
         """Start-up failed before serving: release the socket (and the CURVE authenticator)."""
@@ -800,8 +818,17 @@ class Peer:
         return self.up
 
     async def _send(self, msg: Msg, buffers: list | tuple = ()) -> None:
+        """Queue a message, never waiting: a DEALER with no pipe to its peer (an inproc://
+        peer that is gone) or a full queue would block the send, and with it the heartbeat that
+        is to notice the peer is gone. Such a peer is unreachable: `unavailable`."""
         assert self._sock is not None
-        await self._sock.send_multipart(protocol.encode(msg, buffers), copy=False)
+        try:
+            await self._sock.send_multipart(protocol.encode(msg, buffers), flags=zmq.NOBLOCK,
+                                            copy=False)
+        except zmq.Again:
+            raise PeerError(protocol.UNAVAILABLE, f"{self.name} at {self.endpoint} takes no "
+                                                  f"messages (not connected, or its queue is "
+                                                  f"full)") from None
 
     async def _recv_loop(self) -> None:
         sock = self._sock
@@ -842,8 +869,8 @@ class Peer:
         while True:
             try:
                 await self._send(protocol.Ping(rid=HEARTBEAT_RID, t=time.monotonic()))
-            except zmq.ZMQError:
-                pass
+            except (zmq.ZMQError, PeerError):
+                pass   # unsent: the silence that follows marks the peer down
             await asyncio.sleep(self.heartbeat_s if self.up else min(0.2, self.heartbeat_s))
             silent = time.monotonic() - self.last_seen
             if self.up and silent > self.timeout_s:

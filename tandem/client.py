@@ -102,13 +102,16 @@ class AsyncClient:
 
     def __init__(self, endpoint: str = DEFAULT_ENDPOINT, timeout_s: float = 300.0,
                  limits: protocol.Limits | None = None, *, curve_server_key=None,
-                 curve_client_key=None, connect_timeout_s: float = 10.0):
+                 curve_client_key=None, connect_timeout_s: float = 10.0,
+                 context: zmq.asyncio.Context | None = None):
         self.endpoint = endpoint
         self.timeout_s = timeout_s       # default deadline of a request
         self.connect_timeout_s = connect_timeout_s   # no dispatcher connected by then: Unavailable
         self.limits = limits or protocol.Limits()
         keys = client_options(curve_server_key, curve_client_key, connect_timeout_s)
-        self.ctx = zmq.asyncio.Context()
+        # `context`: the one an in-process stack's services share (tandem/inprocess.py)
+        self.ctx = context or zmq.asyncio.Context()
+        self._own_ctx = context is None
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, f"client-{uuid.uuid4().hex[:12]}".encode())
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -132,7 +135,8 @@ class AsyncClient:
             self._reader.cancel()
             await asyncio.gather(self._reader, return_exceptions=True)
         self.sock.close(linger=0)
-        self.ctx.term()
+        if self._own_ctx:
+            self.ctx.term()
 
     async def _read(self) -> None:
         while True:

@@ -13,13 +13,14 @@ import pytest
 
 from common import protocol
 from common.runtime import PeerError
+from services.dispatcher.config import DispatcherConfig
 from services.dispatcher.recovery import Lost, Recovery
 
 
 class FakeRequest:
     def __init__(self, left: float, stall_s: float = 20.0):
         self.left = left
-        self.d = SimpleNamespace(cfg=SimpleNamespace(stall_s=stall_s, max_recoveries=8),
+        self.d = SimpleNamespace(cfg=DispatcherConfig(stall_s=stall_s, max_recoveries=8),
                                  name="dispatcher", log=logging.getLogger("test"))
         self.sid, self.mode = "r1", "cloud-only"
         self.prompt_ids, self.tokens = [1, 2], [3]

@@ -142,7 +142,7 @@ def test_config_precedence(tmp_path):
 
 def test_dispatcher_settings_out_of_range_are_refused_at_start():
     from services.dispatcher.config import DispatcherConfig
-    assert load(DispatcherConfig, "dispatcher", [], env={}).spec_bo_window_tokens == 96
+    assert load(DispatcherConfig, "dispatcher", [], env={}).spec.bo_window_tokens == 96
     for argv in (["--spec-bo-window-tokens", "0"], ["--spec-q-width", "65"],
                  ["--spec-r2", "1.5"], ["--spec-proactive-depth", "0"]):
         with pytest.raises(SystemExit, match="bad dispatcher setting"):

@@ -83,9 +83,6 @@ class LinkModel:
         w = self.config.latency_ewma
         self.latency_s = (1 - w) * self.latency_s + w * _finite_nonneg("one_way_s", one_way_s)
 
-    def set_latency(self, one_way_s: float) -> None:
-        self.latency_s = _finite_nonneg("one_way_s", one_way_s)
-
     # -- estimates -----------------------------------------------------------------------------
     @property
     def n_observations(self) -> int:

@@ -27,8 +27,8 @@ from services.dispatcher.request import Request
 class Dispatcher(Service):
     name = "dispatcher"
 
-    def __init__(self, cfg: DispatcherConfig):
-        super().__init__(cfg)
+    def __init__(self, cfg: DispatcherConfig, ctx=None):
+        super().__init__(cfg, ctx)
         self.cfg: DispatcherConfig = cfg
         self.requests: dict[tuple[bytes, int], Request] = {}
         self.verifiers = recovery.replicas(self, "verifier", cfg.verifier)  # comma-separated

@@ -64,8 +64,8 @@ class Edge:
     (α, β, γ), and per policy the scheduling window N̂ and the BO tuner."""
 
     def __init__(self, cfg):
-        self.link = LinkModel(LinkModelConfig(alpha_seed=cfg.spec_alpha_s, beta_seed=cfg.spec_beta_s))
-        self.speed = DraftSpeed(DraftSpeedConfig(gamma_seed=cfg.spec_gamma_s))
+        self.link = LinkModel(LinkModelConfig(alpha_seed=cfg.spec.alpha_s, beta_seed=cfg.spec.beta_s))
+        self.speed = DraftSpeed(DraftSpeedConfig(gamma_seed=cfg.spec.gamma_s))
         self.windows: dict[str, DraftWindow] = {}
         self.tuners: dict[str, BOTuner] = {}
         self.tuner_lock = threading.Lock()   # record() runs on a worker thread (GP fits)
@@ -76,9 +76,9 @@ class Edge:
 
     def tuner(self, policy: str) -> BOTuner:
         if policy not in self.tuners:
-            self.tuners[policy] = BOTuner(BOConfig(default_r1=self.cfg.spec_r1,
-                                                   default_r2=self.cfg.spec_r2,
-                                                   min_tokens=self.cfg.spec_bo_window_tokens))
+            self.tuners[policy] = BOTuner(BOConfig(default_r1=self.cfg.spec.r1,
+                                                   default_r2=self.cfg.spec.r2,
+                                                   min_tokens=self.cfg.spec.bo_window_tokens))
         return self.tuners[policy]
 
 
@@ -140,7 +140,7 @@ class Spec:
         check_policy(self.policy(d, msg), msg.sampling)
 
     def policy(self, d, msg) -> str:
-        return msg.policy or d.cfg.default_policy
+        return msg.policy or d.cfg.spec.policy
 
     async def run(self, req) -> None:
         s = SpecRun(req, check_policy(req.policy, req.sampling), self.edge)
@@ -190,13 +190,13 @@ class SpecRun:
     def tuned(self) -> bool:
         """This request uses and feeds its policy's BO autotuner (not when it fixes the
         thresholds itself)."""
-        return self.policy.bo and self.cfg.spec_bo and self.req.msg.nav_thresholds is None
+        return self.policy.bo and self.cfg.spec.bo and self.req.msg.nav_thresholds is None
 
     def _trigger(self):
         c = self.cfg
-        trig = make_trigger(self.policy.trigger, NavConfig(r1=c.spec_r1, r2=c.spec_r2,
-                                                           max_length=c.spec_max_draft,
-                                                           fixed_length=c.spec_fixed_length))
+        trig = make_trigger(self.policy.trigger, NavConfig(r1=c.spec.r1, r2=c.spec.r2,
+                                                           max_length=c.spec.max_draft,
+                                                           fixed_length=c.spec.fixed_length))
         if self.req.msg.nav_thresholds is not None:
             trig.set_thresholds(*self.req.msg.nav_thresholds)
         elif self.tuned:
@@ -215,8 +215,8 @@ class SpecRun:
             req.start = time.monotonic()   # an upper bound: the reference's cost is not counted
         self.sm = SpecRounds(len(req.prompt_ids), req.max_tokens, self.policy, trigger,
                              BatchPlanner(), self.edge.window(self.policy.name), self._params,
-                             self.cfg.spec_lookahead, MetricHooks(self.policy.name, self.edge),
-                             depth=self.cfg.spec_proactive_depth)
+                             self.cfg.spec.lookahead, MetricHooks(self.policy.name, self.edge),
+                             depth=self.cfg.spec.proactive_depth)
         self.vch = self.vpeer.channel()
         self._reader(self.vch, self.vsrc)
         await self.vch.send(protocol.SpecOpen(sid=self.vsid, seq=OPEN_SEQ, token_ids=req.prompt_ids,
@@ -230,7 +230,7 @@ class SpecRun:
             self._reader(self.dch, "d")
             await self.dch.send(protocol.DraftOpen(
                 sid=req.sid, seq=OPEN_SEQ, token_ids=req.prompt_ids, sampling=req.sampling,
-                top_k=self.cfg.spec_q_width, max_tokens=req.max_tokens))
+                top_k=self.cfg.spec.q_width, max_tokens=req.max_tokens))
         else:
             log.warning("drafter at %s is down: %s goes on with the target alone",
                         d.drafter.endpoint, req.sid)
@@ -252,11 +252,20 @@ class SpecRun:
                 if src == self.vsrc:
                     self.last_v = time.monotonic()
                     await self.on_verifier(msg, frames)
+                elif src == "d":   # a draft token may send a batch: the verifier may fail there
+                    await self.on_drafter(msg, frames)
             except PeerError as e:
-                await self.replay_verifier(e)
-                continue
-            if src == "d":
-                await self.on_drafter(msg, frames)
+                await self.recover(e)
+
+    async def recover(self, err: PeerError) -> None:
+        """Replay the verifier session until a replay sticks (each one counts against
+        max_recoveries: recovery.Recovery.fail gives up past it)."""
+        while True:
+            try:
+                await self.replay_verifier(err)
+                return
+            except PeerError as e:   # the replica chosen failed at once
+                err = e
 
     def _verifier_stalled(self) -> bool:
         """A NAV is out and the verifier session has been silent for stall_s."""

@@ -40,7 +40,7 @@ def check_cut(target: str, cut: int) -> int:
 
 
 def choose_cut(req) -> int:
-    return check_cut(req.d.cfg.target, req.msg.cut or req.d.cfg.default_cut)
+    return check_cut(req.d.cfg.target, req.msg.cut or req.d.cfg.split.cut)
 
 
 class Split:
@@ -49,7 +49,7 @@ class Split:
 
     def validate(self, d, msg) -> None:
         """A cut the model does not have is a bad field (before admission)."""
-        check_cut(d.cfg.target, msg.cut or d.cfg.default_cut)
+        check_cut(d.cfg.target, msg.cut or d.cfg.split.cut)
 
     def policy(self, d, msg) -> str:
         return self.name

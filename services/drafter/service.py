@@ -47,8 +47,8 @@ class DrafterSession(Session):
 class Drafter(Service):
     name = "drafter"
 
-    def __init__(self, cfg: DrafterConfig):
-        super().__init__(cfg)
+    def __init__(self, cfg: DrafterConfig, ctx=None):
+        super().__init__(cfg, ctx)
         self.cfg: DrafterConfig = cfg
         self.model: DraftModel | None = None
         self.order: list[str] = []      # round-robin order of session ids

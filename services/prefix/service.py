@@ -71,8 +71,8 @@ class Work:
 class Prefix(Service):
     name = "prefix"
 
-    def __init__(self, cfg: PrefixConfig):
-        super().__init__(cfg)
+    def __init__(self, cfg: PrefixConfig, ctx=None):
+        super().__init__(cfg, ctx)
         self.cfg: PrefixConfig = cfg
         self.runner = None
         self.queue: list[Work] = []
@@ -117,15 +117,9 @@ class Prefix(Service):
         self.enqueue(ident, s, msg, msg.token_ids)
 
     async def on_step(self, ident: bytes, msg: protocol.PrefixStep, frames) -> None:
-        s = self.sessions.find(msg)
-        if await self.answer_retry(ident, s, msg):
+        s = await self.next_step(ident, msg)
+        if s is None:
             return
-        if msg.seq < s.seq:
-            raise ProtocolError(protocol.BAD_FIELD, f"stale step: seq {msg.seq} < {s.seq}",
-                                field="seq")
-        if s.busy:
-            raise ProtocolError(protocol.BAD_FIELD, f"session {msg.sid!r} has a step in flight",
-                                field="seq")
         check_token_ids([msg.token_id], self.runner.vocab_size, "token_id")
         self.enqueue(ident, s, msg, [msg.token_id])
 

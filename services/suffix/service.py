@@ -54,8 +54,8 @@ class Pending:
 class Suffix(Service):
     name = "suffix"
 
-    def __init__(self, cfg: SuffixConfig):
-        super().__init__(cfg)
+    def __init__(self, cfg: SuffixConfig, ctx=None):
+        super().__init__(cfg, ctx)
         self.cfg: SuffixConfig = cfg
         if cfg.scheduler not in SCHEDULERS:
             raise ValueError(f"scheduler {cfg.scheduler!r} not one of {SCHEDULERS}")
@@ -122,15 +122,9 @@ class Suffix(Service):
         self.enqueue(ident, s, msg, x)
 
     async def on_step(self, ident: bytes, msg: protocol.SuffixStep, frames) -> None:
-        s = self.sessions.find(msg)
-        if await self.answer_retry(ident, s, msg):
+        s = await self.next_step(ident, msg)
+        if s is None:
             return
-        if msg.seq < s.seq:
-            raise ProtocolError(protocol.BAD_FIELD, f"stale step: seq {msg.seq} < {s.seq}",
-                                field="seq")
-        if s.busy:
-            raise ProtocolError(protocol.BAD_FIELD, f"session {msg.sid!r} has a step in flight",
-                                field="seq")
         if msg.start != s.kv.length():
             raise ProtocolError(protocol.BAD_FIELD, f"step at position {msg.start}, but session "
                                 f"{msg.sid!r} holds {s.kv.length()} positions", field="start")

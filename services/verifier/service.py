@@ -29,8 +29,8 @@ from services.verifier.spec import MAX_Q_WIDTH, SpecSession
 class Verifier(Service):
     name = "verifier"
 
-    def __init__(self, cfg: VerifierConfig):
-        super().__init__(cfg)
+    def __init__(self, cfg: VerifierConfig, ctx=None):
+        super().__init__(cfg, ctx)
         self.cfg: VerifierConfig = cfg
         self.runner = None
         self.wakeup = asyncio.Event()

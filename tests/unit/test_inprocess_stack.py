@@ -1,0 +1,141 @@
+"""Every mode, batching and recovery with the real service objects in this process
+(tandem/inprocess.py: the five services on ZMQ's inproc:// transport, the wire unchanged), in
+seconds instead of the minutes the process-based suites take. transformers' own
+`generate(do_sample=False)` is the reference throughout."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from common.stats import RequestStats
+from tandem.inprocess import BackgroundStack
+
+PROMPTS = ["def fibonacci(n):\n", "The history of the printing press begins",
+           "Once upon a time", "What are three good habits for writing clean Python code?"]
+N = 20
+
+
+@pytest.fixture(scope="module")
+def stack(model_paths):
+    s = BackgroundStack(verifiers=2, suffixes=2)
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def ids(tokenizer):
+    return [tokenizer.encode(p) for p in PROMPTS]
+
+
+TYPED = {f for f in RequestStats.__dataclass_fields__ if f != "raw"}
+
+
+def _gen(stack, prompt_ids, **kw):
+    r = stack.complete(list(prompt_ids), max_tokens=N, stop_at_eos=False, deadline_s=120, **kw)
+    untyped = set(r.stats.raw) - TYPED
+    assert not untyped, f"the dispatcher sent stats the shared type lacks: {sorted(untyped)}"
+    return r
+
+
+def test_cloud_only_equals_transformers(stack, ids, reference):
+    for p in ids:
+        assert _gen(stack, p, mode="cloud-only").token_ids == reference(p, N)
+
+
+@pytest.mark.parametrize("policy", ["pipesd", "pipesd-stream", "vanilla", "hsl", "edgellm"])
+def test_spec_equals_transformers(stack, ids, reference, policy):
+    r = _gen(stack, ids[0], mode="spec", policy=policy)
+    assert r.token_ids == reference(ids[0], N)
+    assert r.stats["rounds"] >= 1 and r.stats["draft_tokens"] >= 1   # it did speculate
+
+
+@pytest.mark.parametrize("cut", [1, 4, 15, 29])
+def test_split_equals_transformers_at_every_depth(stack, ids, reference, cut):
+    r = _gen(stack, ids[1], mode="split", cut=cut)
+    assert r.token_ids == reference(ids[1], N) and r.stats["cut"] == cut
+
+
+def _sessions_per_forward(stack, service: str):
+    """Wrap `service`'s step to record how many sessions each forward held."""
+    svc = stack.stack.services[service]
+    seen: list[int] = []
+    if service.startswith("verifier"):
+        original = svc.run_step
+
+        def counted(step):
+            seen.append(len(step))
+            return original(step)
+        svc.run_step = counted
+        return seen, lambda: setattr(svc, "run_step", original)
+    original = svc.step
+
+    def counted_window(plan, window):
+        seen.append(len(window))
+        return original(plan, window)
+    svc.step = counted_window
+    return seen, lambda: setattr(svc, "step", original)
+
+
+@pytest.mark.parametrize("mode,service", [("cloud-only", "verifier"), ("split", "suffix")])
+def test_batched_equals_one_by_one_and_forwards_held_several_sessions(stack, ids, reference,
+                                                                      mode, service):
+    """Four concurrent requests, all on replica 0 (the other is stopped meanwhile): every output
+    equals transformers', and at least one forward carried more than one session."""
+    other = f"{service}-1"
+
+    async def stop_other(s):
+        await s.stop(other)
+        peer = next(p for p in s.services["dispatcher"].peers if p.name == other)
+        for _ in range(400):   # the dispatcher sees it gone: every request goes to replica 0
+            if not peer.up:
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"the dispatcher still sees {other} up")
+    stack.call(stop_other)
+    seen, restore = _sessions_per_forward(stack, service)
+    try:
+        async def go(s):
+            async with s.client() as c:
+                return await asyncio.gather(*(c.complete(list(p), mode=mode, max_tokens=N,
+                                                         stop_at_eos=False, deadline_s=120,
+                                                         **({"cut": 4} if mode == "split" else {}))
+                                              for p in ids))
+        results = stack.call(go)
+    finally:
+        restore()
+        stack.call(lambda s: s.start(other))
+    for p, r in zip(ids, results):
+        assert r.token_ids == reference(p, N)
+    assert max(seen) > 1, f"no forward held more than one session: {seen}"
+
+
+@pytest.mark.parametrize("mode,role", [("cloud-only", "verifier"), ("spec", "verifier"),
+                                       ("split", "suffix")])
+def test_a_replica_stopped_mid_stream_is_recovered_exactly(stack, ids, reference, mode, role):
+    """The replica holding the session stops after the first tokens: the session is replayed on
+    the other replica, nothing is lost or repeated, and the replay is on record (the fault
+    took effect)."""
+    n = 32
+    kw = {"policy": "pipesd"} if mode == "spec" else {"cut": 8} if mode == "split" else {}
+
+    async def go(s):
+        names = [name for name in s.services if name.split("-")[0] == role]
+        async with s.client() as c:
+            tokens, stopped = [], None
+            async for chunk in c.generate(list(ids[2]), mode=mode, max_tokens=n,
+                                          stop_at_eos=False, deadline_s=120, **kw):
+                tokens += chunk.token_ids
+                if stopped is None and len(tokens) >= 4:
+                    holding = [m for m in names if len(s.services[m].sessions)]
+                    assert holding, "no replica holds the session"
+                    stopped = holding[0]
+                    await s.stop(stopped)
+            return tokens, c.last_result, stopped
+    tokens, result, stopped = stack.call(go)
+    try:
+        assert tokens == reference(ids[2], n)
+        assert result.stats.get("recoveries", 0) >= 1, result.stats
+    finally:
+        stack.call(lambda s: s.start(stopped))
