@@ -127,7 +127,7 @@ def test_overlay_renders(overlay):
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_valid_against_kubernetes_schemas(overlay):
     try:
-        import kubernetes_validate  # noqa: PLC0415
+        import kubernetes_validate
     except ImportError:
         need(False, "kubernetes-validate (pip install kubernetes-validate)")
     logging.getLogger("kubernetes_validate").setLevel(logging.ERROR)
@@ -302,7 +302,7 @@ def test_plaintext_beyond_loopback_is_refused_unless_allowed(caplog):
 
 
 def test_compose_runs_curve_by_default_and_plaintext_is_an_explicit_override():
-    from tests.test_deploy import ROOT as DEPLOY_ROOT, compose_config  # noqa: PLC0415
+    from tests.test_deploy import ROOT as DEPLOY_ROOT, compose_config
     cfg = compose_config(("edge", "cloud"))
     s = cfg["services"]
     assert s["keys"]["command"][:2] == ["keys", "create"] and "--if-missing" in s["keys"]["command"]
