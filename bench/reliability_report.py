@@ -24,9 +24,11 @@ from pathlib import Path
 from bench.report import machine
 from common.models import repo_root
 
-TESTS = ["tests/integration/test_chaos.py", "tests/integration/test_partitions.py", "tests/integration/test_faults.py",
-         "tests/integration/test_load.py", "tests/integration/test_fuzz.py", "tests/integration/test_security.py"]
-SECTIONS = ("chaos", "partitions", "faults", "load", "fuzz", "security")
+TESTS = ["tests/integration/test_chaos.py", "tests/integration/test_partitions.py",
+         "tests/integration/test_faults.py", "tests/integration/test_load.py",
+         "tests/integration/test_fuzz.py", "tests/integration/test_security.py",
+         "tests/integration/test_replicas_process.py"]
+SECTIONS = ("chaos", "partitions", "faults", "load", "fuzz", "security", "replicas")
 
 
 def run_tests(out: Path, slow: bool) -> tuple[int, dict]:
@@ -85,6 +87,46 @@ def _reasons(rs: list[str]) -> str:
     for r in rs:
         counts[r] = counts.get(r, 0) + 1
     return ", ".join(f"{k} ×{v}" for k, v in sorted(counts.items()))
+
+
+def render_replicas(reps: dict) -> list[str]:
+    """Replicated cloud services: rolling restart under load, supervision, bounded waits."""
+    if not reps:
+        return []
+    L = ["## Replicas, rolling restarts and supervision (tests/integration/test_replicas_process.py)", ""]
+    v = reps.get("rolling restart of every cloud replica under load")
+    if v:
+        L += [f"{v['replicas']}. Every cloud replica in turn got SIGTERM — it drains (not "
+              f"ready, no new session, drain_s = {v['drain_s']} s for open ones, the rest "
+              f"handed back), exits, and is started again — while the load ran: "
+              f"{v['requests']} requests, {v['done']} done, {v['errors']} errors, "
+              f"{v['tokens']} tokens, {v['tokens_lost']} lost, {v['tokens_duplicated']} "
+              f"duplicated, {v['equal_to_transformers']} outputs equal to transformers' "
+              f"generate; {v['handed_back']} sessions handed back by draining replicas, "
+              f"{v['sessions_replayed']} requests replayed "
+              f"({_fmt(v['recovery_reasons'])}).", ""]
+        L += _table(["replica", "SIGTERM to exit s", "restart to ready s"],
+                    [[r["replica"], r["drain_and_exit_s"], r["restart_to_ready_s"]]
+                     for r in v["restarts"]])
+        rows = [[role, b["samples_both_admitting"], b["max_gap"], b["samples_gap_ge_2"],
+                 b["steady_samples"], b["steady_max_gap"], b["steady_samples_gap_ge_2"]]
+                for role, b in v["balance"].items()]
+        L += ["", "Placement (least outstanding work, services/dispatcher/placement.py): each "
+              "replica's `tandem_sessions` sampled every 0.25 s under load, the gap between two "
+              "replicas that were both admitting; *steady* leaves out each restart's window "
+              "(SIGTERM to 6 s after the replica is back, while the sessions it handed back "
+              "turn over):", ""]
+        L += _table(["role", "samples", "max gap", "gap ≥ 2", "steady samples",
+                     "steady max gap", "steady gap ≥ 2"], rows)
+        L.append("")
+    for name in ("kill -9 of the verifier under supervision", "verifier down for good mid-request"):
+        v = reps.get(name)
+        if v:
+            text = "; ".join(f"{k.replace('_', ' ')}: {_fmt(x)}" for k, x in v.items()
+                             if k != "recorded")
+            L += [f"* {name}: {text}."]
+    L.append("")
+    return L
 
 
 def render(d: dict) -> str:
@@ -209,6 +251,8 @@ def render(d: dict) -> str:
                      v.get("time_to_recover_s"), extra])
     L += _table(["fault", "sessions", "recovered", "lost", "dup", "recover s", "notes"], rows)
     L.append("")
+
+    L += render_replicas(d.get("replicas") or {})
 
     # --- load
     L += ["## Load (tests/integration/test_load.py)", ""]

@@ -58,6 +58,9 @@ class ServiceConfig:
     max_prompt_tokens: int = setting(8192, "longest prompt a session may open with", ge=1)
     handshake_s: float = setting(
         30.0, "a peer that has not finished the ZMQ handshake by then is dropped", gt=0)
+    drain_s: float = setting(
+        10.0, "on SIGTERM: not ready, no new sessions, this long for open ones to finish; the rest "
+        "are handed back (`unavailable`, replayed elsewhere), then exit; 0 = exit at once", ge=0)
     # --- CURVE on ZMQ links (common/security.py; keys from `tandem keys`); empty = plaintext ---
     curve_secret_key: str = setting("", "this service's NAME.key_secret: bind as a CURVE server")
     curve_allow_dir: str = setting("", "directory of client public keys (NAME.key) allowed to connect")
@@ -66,6 +69,9 @@ class ServiceConfig:
 
     def __post_init__(self) -> None:
         check(self)   # a value out of range is refused when the config is made, whatever made it
+    allow_plaintext: bool = setting(
+        False, "bind beyond loopback without CURVE (logged as a warning at start-up); off = such a "
+        "bind is refused")
 
     def limits(self) -> Limits:
         return Limits(max_header_bytes=self.max_header_bytes, max_frame_bytes=self.max_frame_bytes,

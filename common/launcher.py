@@ -5,6 +5,13 @@ services.<name>.service` with its own ports, logs to run/<name>.log, and a state
 (run/state.json) records what runs where so `tandem status` and `tandem down` find it.
 `planned()` builds the cluster `tandem up` starts: each service with its share of the machine
 (threads, cores, thread-pool settings) from common/resources.py.
+
+Replicas (`tandem up --replicas verifier=2,suffix=2`): a cloud service may run as several
+processes, "verifier", "verifier-1", ..., replica i on its role's ports + 100·i; the dispatcher
+gets them all as its comma-separated replica list and places sessions across them
+(services/dispatcher/placement.py). `Supervisor` restarts a service that dies, with backoff, as
+compose's `restart: unless-stopped` or a Deployment would; the dispatcher replays the sessions
+it held (services/dispatcher/recovery.py).
 """
 
 from __future__ import annotations
@@ -26,11 +33,37 @@ from common.config import API_PORT, DEFAULT_PORTS
 from common.models import repo_root
 
 SERVICES = ("verifier", "drafter", "prefix", "suffix", "dispatcher")
+REPLICABLE = ("verifier", "suffix")   # stateless across sessions: any number of replicas
+REPLICA_PORT_STRIDE = 100             # replica i listens on its role's ports + 100·i
 # The OpenAI-compatible HTTP gateway (api/, `tandem serve api`): `tandem up` starts it after the
 # dispatcher; it has no ZMQ endpoint (its `endpoint` is its HTTP base URL, its `http_port` the
 # same port) and a light share, like the dispatcher's: one thread on the dispatcher's cores.
 GATEWAY = "api"
 PEER_FIELDS = {"verifier": "verifier", "drafter": "drafter", "prefix": "prefix", "suffix": "suffix"}
+
+
+def role_of(name: str) -> str:
+    """The service a process runs: "verifier-1" -> "verifier"."""
+    base, _, index = name.rpartition("-")
+    return base if base in SERVICES and index.isdigit() else name
+
+
+def replica_names(role: str, n: int) -> list[str]:
+    return [role if i == 0 else f"{role}-{i}" for i in range(n)]
+
+
+def parse_replicas(spec: str) -> dict[str, int]:
+    """`verifier=2,suffix=2` -> {"verifier": 2, "suffix": 2}; ValueError naming what is wrong."""
+    out: dict[str, int] = {}
+    for item in (x.strip() for x in spec.split(",") if x.strip()):
+        name, eq, count = item.partition("=")
+        if not eq or not count.strip().isdigit() or int(count) < 1:
+            raise ValueError(f"--replicas {item!r}: expected SERVICE=N with N >= 1")
+        if name.strip() not in REPLICABLE:
+            raise ValueError(f"--replicas: {name.strip()!r} cannot be replicated; only "
+                             f"{', '.join(REPLICABLE)} (cloud services) can")
+        out[name.strip()] = int(count)
+    return out
 
 
 def run_dir() -> Path:
@@ -52,6 +85,10 @@ class ServiceProc:
     log: str = ""
     cpus: list[int] = field(default_factory=list)   # its affinity; [] = inherited
     threads: int = 0                                 # its --threads; 0 = its own default
+    role: str = ""                                   # the service it runs ("verifier" for "verifier-1")
+    restarts: int = 0                                # times the supervisor restarted it
+    argv: list[str] = field(default_factory=list)    # how it was started (a supervisor restarts it so)
+    env: dict[str, str] = field(default_factory=dict)  # environment it was given on top of the caller's
 
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.http_port}{path}"
@@ -94,7 +131,8 @@ class Cluster:
     def __init__(self, services=SERVICES, ephemeral: bool = False, extra: dict | None = None,
                  env: dict | None = None, logdir: Path | None = None,
                  pin: dict[str, list[int]] | None = None,
-                 service_env: dict[str, dict[str, str]] | None = None):
+                 service_env: dict[str, dict[str, str]] | None = None,
+                 replicas: dict[str, int] | None = None):
         self.ephemeral = ephemeral            # pick free ports (tests) instead of the defaults
         self.extra = extra or {}              # per-service extra CLI flags {name: [...]}
         self.env = env or {}                  # for every service; a None value unsets
@@ -105,51 +143,71 @@ class Cluster:
         self.pin = pin or {}                  # per-service CPU affinity
         self.procs: dict[str, ServiceProc] = {}
         self._popen: dict[str, subprocess.Popen] = {}
-        for name in services:
-            if name == GATEWAY:
-                port = free_port() if ephemeral else API_PORT
-                self.procs[name] = ServiceProc(name, f"http://127.0.0.1:{port}", port,
-                                               log=str(self.logdir / f"{name}.log"),
-                                               cpus=self.pin.get(name, []))
-                continue
-            zmq_port, http_port = DEFAULT_PORTS[name]
-            if ephemeral:
-                zmq_port, http_port = free_port(), free_port()
-            self.procs[name] = ServiceProc(name, f"tcp://127.0.0.1:{zmq_port}", http_port,
+        self.replicas = dict(replicas or {})  # {role: processes}; 1 when not named
+        self.saved = False                    # loaded from a state file: argv/env as recorded
+        for role in services:
+            for i, name in enumerate(replica_names(role, self.replicas.get(role, 1))):
+                self._add(name, role, i)
+
+    def _add(self, name: str, role: str, index: int) -> None:
+        if name == GATEWAY:
+            port = free_port() if self.ephemeral else API_PORT
+            self.procs[name] = ServiceProc(name, f"http://127.0.0.1:{port}", port,
                                            log=str(self.logdir / f"{name}.log"),
-                                           cpus=self.pin.get(name, []))
+                                           cpus=self.pin.get(name, []), role=role)
+            return
+        zmq_port, http_port = (p + REPLICA_PORT_STRIDE * index for p in DEFAULT_PORTS[role])
+        if self.ephemeral:
+            zmq_port, http_port = free_port(), free_port()
+        self.procs[name] = ServiceProc(name, f"tcp://127.0.0.1:{zmq_port}", http_port,
+                                       log=str(self.logdir / f"{name}.log"),
+                                       cpus=self.pin.get(name, self.pin.get(role, [])),
+                                       role=role)
 
     def endpoint(self, name: str) -> str:
         return self.procs[name].endpoint
 
+    def endpoints(self, role: str) -> str:
+        """Every replica of `role`, as the dispatcher's comma-separated replica list."""
+        return ",".join(p.endpoint for p in self.procs.values() if (p.role or p.name) == role)
+
     def argv(self, name: str) -> list[str]:
         p = self.procs[name]
+        role = p.role or role_of(name)
+        extra = self.extra.get(name, self.extra.get(role, []))
         if name == GATEWAY:
             args = [sys.executable, "-m", "api.service", "--host", "127.0.0.1",
                     "--port", str(p.http_port)]
             if "dispatcher" in self.procs:
                 args += ["--dispatcher", self.procs["dispatcher"].endpoint]
-            return args + [str(a) for a in self.extra.get(name, [])]
-        args = [sys.executable, "-m", f"services.{name}.service", "--bind", p.endpoint,
+            return args + [str(a) for a in extra]
+        args = [sys.executable, "-m", f"services.{role}.service", "--bind", p.endpoint,
                 "--http-port", str(p.http_port)]
-        if name == "dispatcher":
+        if role == "dispatcher":
             for peer in PEER_FIELDS:
                 if peer in self.procs:
-                    args += [f"--{peer}", self.procs[peer].endpoint]
-        return args + [str(a) for a in self.extra.get(name, [])]
+                    args += [f"--{peer}", self.endpoints(peer)]
+        return args + [str(a) for a in extra]
 
     def start(self, name: str) -> ServiceProc:
         p = self.procs[name]
-        self.logdir.mkdir(parents=True, exist_ok=True)
+        role = p.role or role_of(name)
+        Path(p.log).parent.mkdir(parents=True, exist_ok=True)
+        if not (self.saved and p.argv):   # from a state file: restarted as it was started
+            p.argv = self.argv(name)
+            p.env = {k: v for k, v in self.service_env.get(name, self.service_env.get(role, {})).items()
+                     if k not in os.environ}
+            p.env.update({k: v for k, v in self.env.items() if v is not None})
         # the plan's thread-pool settings unless the caller's environment has its own
-        env = {**self.service_env.get(name, {}), **os.environ, **self.env,
-               "PYTHONUNBUFFERED": "1"}
-        env = {k: v for k, v in env.items() if v is not None}
+        env = {**os.environ, **p.env, "PYTHONUNBUFFERED": "1"}
+        for k, v in self.env.items():
+            if v is None:
+                env.pop(k, None)
         env["PYTHONPATH"] = os.pathsep.join([str(repo_root()), env.get("PYTHONPATH", "")])
         cpus = list(p.cpus)
         logf = open(p.log, "ab")
         # pinned in the child before exec, so every thread it ever starts inherits the cores
-        proc = subprocess.Popen(self.argv(name), stdout=logf, stderr=subprocess.STDOUT, env=env,
+        proc = subprocess.Popen(p.argv, stdout=logf, stderr=subprocess.STDOUT, env=env,
                                 cwd=str(repo_root()), start_new_session=True,
                                 preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
         logf.close()
@@ -178,7 +236,9 @@ class Cluster:
             if pending:
                 time.sleep(0.2)
 
-    def stop(self, name: str, sig: int = signal.SIGTERM, timeout: float = 10.0) -> None:
+    def stop(self, name: str, sig: int = signal.SIGTERM, timeout: float = 15.0) -> None:
+        """Stop one service: SIGTERM (a service drains for up to its drain_s, 10 s by default,
+        then exits), SIGKILL after `timeout`."""
         p = self.procs[name]
         proc = self._popen.pop(name, None)
         if proc is not None:
@@ -217,6 +277,7 @@ class Cluster:
             return None
         data = json.loads(path.read_text())
         c = cls(services=())
+        c.saved = True
         for name, d in data.items():
             c.procs[name] = ServiceProc(**d)
         return c
@@ -224,7 +285,7 @@ class Cluster:
 
 def planned(services=SERVICES, ephemeral: bool = False, extra: dict | None = None,
             env: dict | None = None, logdir: Path | None = None,
-            cpus: list[int] | None = None) -> Cluster:
+            cpus: list[int] | None = None, replicas: dict[str, int] | None = None) -> Cluster:
     """The cluster `tandem up` starts: each service with its share of the usable cores
     (common/resources.py), its configured `threads` / `cpus` (TANDEM_<SERVICE>_THREADS,
     TANDEM_<SERVICE>_CPUS, or flags in `extra`) taken as overrides."""
@@ -243,11 +304,110 @@ def planned(services=SERVICES, ephemeral: bool = False, extra: dict | None = Non
                       service_env={n: s.env for n, s in shares.items()},
                       extra={n: ["--threads", str(s.threads), "--cpus",
                                  resources.format_cpus(s.cpus), *extra.get(n, [])]
-                             for n, s in shares.items()})
-    for n, s in shares.items():
-        cluster.procs[n].threads = s.threads
+                             for n, s in shares.items()},
+                      replicas=replicas)
+    # replicas of a role share its plan (they take turns on its cores, as sessions do)
+    for p in cluster.procs.values():
+        share = shares.get(p.role or p.name)
+        if share is not None:
+            p.threads = share.threads
     cluster.shares, cluster.cores = shares, cores
     return cluster
+
+
+class Supervisor:
+    """Restart services that die, with exponential backoff — what compose's
+    `restart: unless-stopped` and a Kubernetes controller do. A service that ran `stable_s`
+    before dying starts again after `base_s`; one that keeps dying waits twice as long each time,
+    up to `max_s`. The dispatcher replays the sessions a dead cloud service held
+    (services/dispatcher/recovery.py), so a restart costs those requests a replay, not their
+    output."""
+
+    def __init__(self, cluster: Cluster, base_s: float = 1.0, max_s: float = 30.0,
+                 stable_s: float = 60.0, log=print, state: Path | None = None):
+        self.cluster = cluster
+        self.base_s, self.max_s, self.stable_s = base_s, max_s, stable_s
+        self.log = log
+        self.state = state                      # state file to keep current, if any
+        now = time.monotonic()
+        self.started = {n: now for n in cluster.procs}
+        self.backoff = {n: 0.0 for n in cluster.procs}
+        self.due: dict[str, float] = {}         # name -> when its restart is due
+
+    def poll(self) -> list[str]:
+        """Check every service once; restart those whose backoff has passed. Returns the names
+        restarted."""
+        now = time.monotonic()
+        restarted = []
+        for name, p in self.cluster.procs.items():
+            if not p.pid or p.alive():   # pid 0: stopped on purpose ("unless-stopped")
+                continue
+            if name not in self.due:
+                ran = now - self.started.get(name, now)
+                b = self.base_s if ran >= self.stable_s or not self.backoff[name] else \
+                    min(self.max_s, 2 * self.backoff[name])
+                self.backoff[name] = b
+                self.due[name] = now + b
+                self.log(f"{name} (pid {p.pid}) exited after {ran:.1f} s; restarting in {b:.1f} s "
+                         f"(last log lines:\n{tail(p.log, 5)})")
+                continue
+            if now < self.due[name]:
+                continue
+            del self.due[name]
+            self.cluster._popen.pop(name, None)
+            self.cluster.start(name)
+            p.restarts += 1
+            self.started[name] = time.monotonic()
+            restarted.append(name)
+            self.log(f"{name} restarted (pid {p.pid}, restart {p.restarts})")
+        if restarted and self.state is not None:
+            self.cluster.save_state(self.state)
+        return restarted
+
+    def run(self, interval: float = 0.5, stop=lambda: False) -> None:
+        while not stop():
+            self.poll()
+            time.sleep(interval)
+
+
+def supervisor_pid_file() -> Path:
+    return run_dir() / "supervisor.pid"
+
+
+def supervise_detached(state: Path) -> int:
+    """Start a background supervisor of the cluster in `state` (for `tandem up --detach`);
+    `tandem down` stops it first. Returns its pid."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo_root()),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    logf = open(run_dir() / "supervisor.log", "ab")
+    proc = subprocess.Popen([sys.executable, "-m", "common.launcher", "supervise", str(state)],
+                            stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=str(repo_root()),
+                            start_new_session=True)
+    logf.close()
+    supervisor_pid_file().write_text(str(proc.pid))
+    return proc.pid
+
+
+def stop_supervisor() -> None:
+    path = supervisor_pid_file()
+    if path.is_file():
+        try:
+            _terminate(int(path.read_text().strip()), signal.SIGTERM, 5.0)
+        except ValueError:
+            pass
+        path.unlink(missing_ok=True)
+
+
+def _supervise_main(state: str) -> None:
+    cluster = Cluster.from_state(Path(state))
+    if cluster is None:
+        raise SystemExit(f"no state file {state}")
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *a: stopping.append(1))
+
+    def log(msg: str) -> None:
+        print(time.strftime("%H:%M:%S"), msg, flush=True)
+    Supervisor(cluster, log=log, state=Path(state)).run(stop=lambda: bool(stopping))
 
 
 def _terminate(pid: int, sig: int, timeout: float) -> None:
@@ -273,3 +433,10 @@ def tail(path: str, n: int = 20) -> str:
         return "\n".join(Path(path).read_text(errors="replace").splitlines()[-n:])
     except OSError:
         return "(no log)"
+
+
+if __name__ == "__main__":   # python -m common.launcher supervise STATE (tandem up --detach)
+    if len(sys.argv) == 3 and sys.argv[1] == "supervise":
+        _supervise_main(sys.argv[2])
+    else:
+        raise SystemExit("usage: python -m common.launcher supervise STATE_FILE")

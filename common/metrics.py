@@ -100,6 +100,12 @@ SESSIONS = Gauge("tandem_sessions", "Sessions held by a service (KV caches)", ["
 ORPHANS = Counter("tandem_orphaned_sessions_dropped_total",
                   "Sessions dropped because the client that opened them went silent "
                   "(no message, not even a heartbeat, for peer_idle_timeout_s)", ["service"])
+HANDED_BACK = Counter("tandem_sessions_handed_back_total",
+                      "Sessions a draining service (SIGTERM) handed back unfinished after drain_s; "
+                      "the dispatcher replays them on another replica", ["service"])
+PLACEMENTS = Counter("tandem_placements_total",
+                     "Sessions placed on a cloud replica by the dispatcher (least outstanding work)",
+                     ["service", "peer"])
 DEGRADED_TOKENS = Counter("tandem_degraded_tokens_total",
                           "Tokens streamed by the edge drafter alone while the cloud was "
                           "unreachable (spec mode with allow_edge_only)", ["service", "mode"])

@@ -135,6 +135,11 @@ class Pong(Msg, tag="pong"):
     t: Clock = 0.0
     service: str = ""
     ready: bool = True
+    # the replica's load, for placement across replicas (services/dispatcher/placement.py)
+    sessions: Count = 0        # sessions it holds
+    queued_tokens: Count = 0   # tokens waiting for a forward (prefills, drafts, steps)
+    kv_bytes: Count = 0        # bytes of KV cache held
+    admitting: bool = True     # False while draining (SIGTERM): it opens no new session
 
 
 class Error(Msg, tag="error"):

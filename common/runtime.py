@@ -41,6 +41,10 @@ RECONNECT_MS = 100       # first reconnect attempt after a drop
 RECONNECT_MAX_MS = 2000  # backoff cap between reconnect attempts
 HEARTBEAT_RID = 0        # request id reserved for heartbeats; real requests start at 1
 LOOP_BEAT_S = 1.0        # an idle service loop still beats this often (see Service.idle)
+# Messages that open a session: refused (`unavailable`, replayed on another replica by the
+# dispatcher) while a service drains; retries of an open already done still pass.
+OPENS = (protocol.CloudGenerate, protocol.SpecOpen, protocol.SuffixOpen, protocol.PrefixOpen,
+         protocol.DraftOpen, protocol.GenerateRequest)
 LOOP_STALL_S = 120.0     # a loop silent this long is stalled: /readyz fails. Far above the longest
                          # single step (a max_prompt_tokens prefill on a 2-core CPU takes ~30 s)
 
@@ -194,6 +198,9 @@ class Service:
         self.sessions = SessionTable(self.name, cfg.max_sessions, self.limits)
         self.beats: dict[str, float] = {}      # service loop -> its last heartbeat (monotonic)
         self.failure = ""                      # why a loop the service needs ended: exit non-zero
+        self.draining = False                  # SIGTERM: finishing open sessions, admitting none
+        self.drained: asyncio.Event | None = None   # set when a drain has finished (serve())
+        self._routes: dict[str, tuple[bytes, int]] = {}   # session id -> (identity, rid) last used
         self.route(protocol.Ping, self._on_ping)
 
     # --- for subclasses -----------------------------------------------------------------------
@@ -252,6 +259,15 @@ class Service:
         session, then Ack — also for one already gone, so a retried Close is answered."""
         await self.drop_session(msg.sid)
         await self.send(ident, protocol.Ack(sid=msg.sid, seq=msg.seq, rid=msg.rid))
+
+    def load(self) -> tuple[int, int, int]:
+        """(sessions held, tokens queued for a forward, KV bytes held): reported in every Pong
+        for placement across replicas; services with an engine override it."""
+        return len(list(self.open_sessions())), 0, 0
+
+    def in_flight(self) -> int:
+        """Work a drain waits for (open sessions by default)."""
+        return len(list(self.open_sessions()))
 
     def peer(self, name: str, endpoint: str) -> "Peer":
         p = Peer(self.ctx, endpoint, name=name, owner=self.name,
@@ -338,6 +354,8 @@ class Service:
         """"" when ready; else what is wrong, for /readyz, Pong and `tandem status`."""
         if self.failure:
             return f"failed: {self.failure}"
+        if self.draining:
+            return "draining"
         if not self.ready:
             return "loading"
         now = time.monotonic()
@@ -385,8 +403,11 @@ class Service:
 
     # --- the loop -----------------------------------------------------------------------------
     async def _on_ping(self, ident: bytes, msg: Msg, frames: list) -> None:
+        sessions, queued, kv = self.load() if self.ready else (0, 0, 0)
         await self.send(ident, protocol.Pong(rid=msg.rid, t=msg.t, service=self.name,
-                                             ready=not self.not_ready_reason()))
+                                             ready=not self.not_ready_reason(),
+                                             sessions=sessions, queued_tokens=queued,
+                                             kv_bytes=kv, admitting=not self.draining))
 
     async def _dispatch(self, ident: bytes, frames: list) -> None:
         try:
@@ -403,6 +424,16 @@ class Service:
         metrics.MESSAGES.labels(self.name, msg.__struct_config__.tag).inc()
         if self._reaping and msg.sid and not isinstance(msg, (protocol.Ping, protocol.Close)):
             self._owners[msg.sid] = ident   # replies, and the session's life, follow its client
+        if msg.sid and not isinstance(msg, (protocol.Ping, protocol.Close)):
+            if len(self._routes) > 64 + 2 * len(list(self.open_sessions())):
+                held = set(self.open_sessions())   # forget closed sessions (amortised)
+                self._routes = {k: v for k, v in self._routes.items() if k in held}
+            self._routes[msg.sid] = (ident, msg.rid)   # where a drain hands the session back
+            if self.draining and isinstance(msg, OPENS) and msg.sid not in set(self.open_sessions()):
+                await self.error(ident, msg, protocol.UNAVAILABLE,
+                                 f"{self.name} is draining (shutting down): open the session "
+                                 f"on another replica")
+                return
         handler = self.handlers.get(type(msg))
         if not self.ready and handler is not None and not isinstance(msg, (protocol.Ping,
                                                                            protocol.Close)):
@@ -464,6 +495,7 @@ class Service:
 
     async def serve(self) -> None:
         self.stopping = asyncio.Event()
+        self.drained = asyncio.Event()
         self.sock = self.ctx.socket(zmq.ROUTER)
         _tune(self.sock, self.cfg.heartbeat_s, self.cfg.handshake_s)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -476,6 +508,7 @@ class Service:
         # with no ZAP handler (plaintext) every ZMTP 3 peer is let in as before
         self.sock.setsockopt(zmq.ZAP_DOMAIN, security.ZAP_DOMAIN.encode())
         curve = security.server_keys(self.cfg)
+        security.check_plaintext(self.cfg, self.name)   # across hosts: CURVE, or an explicit opt-out
         if curve is not None:  # before bind: every connection must then speak CURVE
             security.apply_server(self.sock, curve)
             self.auth = security.start_authenticator(self.ctx, curve)
@@ -537,6 +570,55 @@ class Service:
         if self.stopping is not None:
             self.stopping.set()
 
+    def terminate(self) -> None:
+        """SIGTERM: drain (a second SIGTERM, or SIGINT, stops at once)."""
+        if self.draining or not self.ready or self.cfg.drain_s <= 0:
+            self.stop()
+            return
+        self.draining = True
+        self.spawn(self._drain())
+
+    async def _drain(self) -> None:
+        """Not ready (/readyz 503, Pong ready=False and admitting=False, so dispatchers place no
+        new session here), new opens refused `unavailable`; open sessions get `drain_s` to
+        finish; those left are handed back — an `unavailable` error on their channel, which the
+        dispatcher replays on another replica from the tokens it committed — then exit."""
+        self.log.warning("%s draining: %d session(s) open, up to %.1f s to finish", self.name,
+                         self.in_flight(), self.cfg.drain_s)
+        end = time.monotonic() + self.cfg.drain_s
+        while self.in_flight() and time.monotonic() < end:
+            self._drop_silent_owners()
+            await asyncio.sleep(0.05)
+        left = list(self.open_sessions())
+        for sid in left:
+            ident, rid = self._routes.get(sid, (b"", 0))
+            if ident:
+                await self.send(ident, protocol.Error(sid=sid, rid=rid, code=protocol.UNAVAILABLE,
+                                                      message=f"{self.name} is shutting down: "
+                                                              f"session handed back"))
+            await self.drop_session(sid)
+        if left:
+            metrics.HANDED_BACK.labels(self.name).inc(len(left))
+            self.log.warning("%s handed back %d session(s) after %.1f s", self.name, len(left),
+                             self.cfg.drain_s)
+            await asyncio.sleep(LINGER_MS / 1000)   # let the hand-back errors leave
+        self.log.info("%s drained", self.name)
+        self.drained.set()
+        await asyncio.sleep(0.1)   # a preStop hook waiting on GET /drain gets its answer
+        self.stop()
+
+    def _drop_silent_owners(self) -> None:
+        """While draining, a session whose client has gone silent (a dispatcher already
+        stopped) is waited for by nobody: it does not hold the drain up."""
+        if not self._reaping:
+            return
+        now = time.monotonic()
+        quiet = 3 * self.cfg.heartbeat_s
+        for sid in list(self.open_sessions()):
+            ident = self._owners.get(sid)
+            if ident is not None and now - self._heard.get(ident, now) > quiet:
+                self.spawn(self.drop_session(sid))
+
     @classmethod
     def launch(cls, config_cls: type, argv: list[str] | None = None) -> None:
         """`tandem serve <name>`: config (YAML < env < CLI), logging, torch threads, run."""
@@ -561,8 +643,8 @@ class Service:
 
         async def main():
             loop = asyncio.get_running_loop()
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, self.stop)
+            loop.add_signal_handler(signal.SIGTERM, self.terminate)
+            loop.add_signal_handler(signal.SIGINT, self.stop)
             await self.serve()
         try:
             runner(main())
@@ -584,6 +666,8 @@ class Service:
                 status, ctype, body = "200 OK", CONTENT_TYPE_LATEST, generate_latest()
             elif path == "/healthz":
                 status, ctype, body = "200 OK", "text/plain", b"ok\n"
+            elif path == "/drain":    # a Kubernetes preStop hook, from inside the pod only
+                status, ctype, body = await self._http_drain(writer)
             elif path == "/readyz":   # ready = set up, and every service loop beating
                 why = self.not_ready_reason()
                 status = "503 Service Unavailable" if why else "200 OK"
@@ -598,6 +682,21 @@ class Service:
             pass  # slow, vanished or oversize (a line over 64 KiB): drop the connection
         finally:
             writer.close()
+
+
+    async def _http_drain(self, writer) -> tuple[str, str, bytes]:
+        """GET /drain (loopback only): drain as on SIGTERM and answer once drained, so that a
+        preStop hook holds the pod's termination until its sessions are finished or handed
+        back; the service then exits."""
+        peer = writer.get_extra_info("peername") or ("",)
+        if not security.bind_is_local(f"tcp://{peer[0]}:0"):
+            return "403 Forbidden", "text/plain", b"/drain is served to loopback only\n"
+        if not self.draining:
+            self.terminate()
+        if self.drained is not None and self.draining:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.drained.wait(), self.cfg.drain_s + 5)
+        return "200 OK", "text/plain", b"drained\n"
 
 
 class BindError(OSError):
@@ -669,6 +768,7 @@ class Peer:
         self.rtt = float("nan")
         self.last_seen = 0.0
         self.generation = 0           # bumps each time the socket is recreated
+        self.load: protocol.Pong | None = None   # the last heartbeat reply: readiness and load
         self._rids = itertools.count(1)
         self._channels: dict[int, Channel] = {}
         self._sock: zmq.asyncio.Socket | None = None
@@ -743,6 +843,7 @@ class Peer:
             self.last_seen = time.monotonic()
             if isinstance(msg, protocol.Pong) and msg.rid == HEARTBEAT_RID:
                 self.rtt = time.monotonic() - msg.t
+                self.load = msg            # its load, for placement (services/dispatcher/placement.py)
                 metrics.LINK_RTT.labels(self.owner, self.name).observe(self.rtt)
                 self._mark(msg.ready)
                 continue

@@ -126,6 +126,36 @@ def server_keys(cfg) -> ServerKeys | None:
     return ServerKeys(public, secret, allow_dir)
 
 
+LOOPBACK = ("127.", "localhost", "::1", "[::1]")
+
+
+def bind_is_local(endpoint: str) -> bool:
+    """Whether a ZMQ bind endpoint is reachable from this host only (loopback, ipc, inproc)."""
+    scheme, _, rest = endpoint.partition("://")
+    if scheme != "tcp":
+        return scheme in ("ipc", "inproc")
+    host = rest.rsplit(":", 1)[0]
+    return host.startswith(LOOPBACK)
+
+
+def check_plaintext(cfg, service: str) -> None:
+    """Secure by default across hosts: a service that binds beyond loopback runs CURVE, or says
+    explicitly that it accepts plaintext (`allow_plaintext`), which is logged as a warning.
+    Raises KeyFileError (a configuration error) otherwise."""
+    if cfg.curve_secret_key or bind_is_local(cfg.bind):
+        return
+    if cfg.allow_plaintext:
+        log.warning("%s binds %s in PLAINTEXT (allow_plaintext): anyone who can reach it can use "
+                    "it and read its traffic; use CURVE keys across hosts (docs/deploy.md, "
+                    "Security)", service, cfg.bind)
+        return
+    raise KeyFileError(f"{service} would bind {cfg.bind} in plaintext, reachable from other "
+                       f"hosts: create CURVE keys (`tandem keys create ...`) and set "
+                       f"curve_secret_key and curve_allow_dir, or set allow_plaintext=true "
+                       f"(TANDEM_ALLOW_PLAINTEXT) to accept an unauthenticated link "
+                       f"(docs/deploy.md, Security)")
+
+
 def parse_server_keys(text: str) -> dict[str, str]:
     """"verifier=a.key,suffix=b.key" -> {"verifier": "a.key", "suffix": "b.key"}."""
     out = {}

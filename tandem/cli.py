@@ -1,6 +1,8 @@
 """The `tandem` command line.
 
-    tandem up [--detach]        start all services locally on the bundled model, stream a demo
+    tandem up [--detach] [--replicas verifier=2,suffix=2]
+                                start all services locally on the bundled model, stream a demo;
+                                a service that dies is restarted with backoff
     tandem down                 stop what `up --detach` started
     tandem status [--json]      each service: name, endpoint, pid, health
     tandem serve SERVICE ...    run one service in the foreground (what compose runs);
@@ -134,7 +136,8 @@ def _fail(args, code: str, message: str, hint: str = "", field: str = "") -> int
 
 def cmd_up(args) -> int:
     from common import models  # noqa: PLC0415
-    from common.launcher import Cluster, planned, run_dir  # noqa: PLC0415
+    from common.launcher import (Cluster, Supervisor, parse_replicas, planned,  # noqa: PLC0415
+                                 run_dir, supervise_detached)
 
     existing = Cluster.from_state()
     if existing and any(p.alive() for p in existing.procs.values()):
@@ -146,6 +149,10 @@ def cmd_up(args) -> int:
     except models.ModelError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    try:
+        replicas = parse_replicas(args.replicas)
+    except ValueError as e:
+        return _fail(args, "config", str(e))
     services = [s for s in _available_services() if drafter is not None or s != "drafter"]
     if drafter is None and args.mode == "spec":
         print("error: spec mode needs a drafter: pass --drafter GGUF", file=sys.stderr)
@@ -155,7 +162,7 @@ def cmd_up(args) -> int:
     model_env = {"TANDEM_TARGET": str(target),
                  "TANDEM_DRAFTER_DRAFTER": str(drafter) if drafter is not None else None}
     try:
-        cluster = planned(services, env=model_env)
+        cluster = planned(services, env=model_env, replicas=replicas)
     except (ValueError, SystemExit) as e:   # an override naming a core that is not usable
         return _fail(args, "config", str(e),
                      "check TANDEM_<SERVICE>_CPUS / TANDEM_<SERVICE>_THREADS")
@@ -191,13 +198,13 @@ def cmd_up(args) -> int:
         _demo(cluster.endpoint("dispatcher"), args.mode, chat=_has_chat_template(target))
         if args.detach:
             detached = True
-            print("running in the background; `tandem down` stops it")
+            pid = supervise_detached(cluster.save_state())
+            print(f"running in the background, supervised (pid {pid}: a service that dies is "
+                  f"restarted); `tandem down` stops it")
             return 0
-        print("serving until Ctrl-C ...", flush=True)
-        while all(p.alive() for p in cluster.procs.values()):
-            time.sleep(1.0)
-        dead = [p.name for p in cluster.procs.values() if not p.alive()]
-        print(f"service(s) exited: {dead}", file=sys.stderr)
+        print("serving until Ctrl-C (a service that dies is restarted) ...", flush=True)
+        Supervisor(cluster, log=lambda m: print(m, file=sys.stderr, flush=True),
+                   state=run_dir() / "state.json").run()
         return 1
     except KeyboardInterrupt:
         print("\nstopping ...")
@@ -281,7 +288,8 @@ def _stats_line(stats: dict) -> str:
 
 
 def cmd_down(args) -> int:
-    from common.launcher import Cluster, run_dir  # noqa: PLC0415
+    from common.launcher import Cluster, run_dir, stop_supervisor  # noqa: PLC0415
+    stop_supervisor()   # first, so that it does not restart what we stop
     c = Cluster.from_state()
     if c is None:
         print("nothing to stop (no run/state.json)")
@@ -304,7 +312,7 @@ def cmd_status(args) -> int:
             health = "ready" if ready else ("down" if why == "down" else "unready")
             rows.append({"name": p.name, "endpoint": p.endpoint, "pid": p.pid,
                          "http": f"http://127.0.0.1:{p.http_port}", "health": health,
-                         "readiness": why,
+                         "readiness": why, "role": p.role or p.name, "restarts": p.restarts,
                          "threads": p.threads, "cpus": p.cpus})
     if args.json:
         print(json.dumps(rows, indent=2))
@@ -314,8 +322,9 @@ def cmd_status(args) -> int:
         from common.resources import format_cpus  # noqa: PLC0415
         for r in rows:
             share = (f"{r['threads'] or '-':>2} threads on cores {format_cpus(r['cpus']) or 'all':6s}")
+            restarts = f" restarted {r['restarts']}x" if r["restarts"] else ""
             print(f"{r['name']:10s} {r['endpoint']:24s} pid {r['pid']:<7d} {r['health']:7s} "
-                  f"{share} {r['http']}")
+                  f"{share} {r['http']}{restarts}")
             if r["health"] == "unready":
                 print(f"{'':10s} not ready: {r['readiness']}")
     return 0 if rows and all(r["health"] == "ready" for r in rows) else 1
@@ -415,6 +424,9 @@ def main(argv: list[str] | None = None) -> int:
                     "a GGUF (dequantised once into models/); docs/models.md")
     up.add_argument("--drafter", default="", help="the drafter GGUF for --target (must share its "
                     "tokenizer); for a GGUF target, default: a Q4_0 re-quantisation of it")
+    up.add_argument("--replicas", default=os.environ.get("TANDEM_REPLICAS", ""),
+                    help="processes per cloud service, e.g. verifier=2,suffix=2 (the dispatcher "
+                         "places sessions across them by least outstanding work)")
     sub.add_parser("down", help="stop the services started by `up --detach`")
     st = sub.add_parser("status", help="health of the local services")
     st.add_argument("--json", action="store_true")

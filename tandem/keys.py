@@ -1,6 +1,6 @@
 """`tandem keys ...`: CURVE key pairs for the edge–cloud links (common/security.py).
 
-    tandem keys create verifier suffix dispatcher [--dir keys] [--allow-dir keys/allowed NAME...]
+    tandem keys create verifier suffix dispatcher [--dir keys] [--allow NAME...] [--if-missing]
     tandem keys allow keys/dispatcher.key --allow-dir keys/allowed
     tandem keys show keys/verifier.key
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from common import security
 
@@ -34,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--allow-dir", default=None,
                    help="allowlist directory for --allow (default DIR/allowed)")
     c.add_argument("--force", action="store_true", help="replace existing key pairs")
+    c.add_argument("--if-missing", action="store_true",
+                   help="keep key pairs that exist, create the others (a one-shot keys job "
+                        "that may run again: compose's `keys`, the Kubernetes keys Job)")
     a = sub.add_parser("allow", help="add public key files to an allowlist directory")
     a.add_argument("public_keys", nargs="+")
     a.add_argument("--allow-dir", required=True)
@@ -47,8 +51,13 @@ def main(argv: list[str] | None = None) -> int:
                 ap.error(f"--allow names keys not being created: {sorted(unknown)}")
             allow_dir = args.allow_dir or f"{args.dir}/allowed"
             for name in args.names:
-                public, secret = security.create_keys(args.dir, name, force=args.force)
-                print(f"{name}: {public} (public), {secret} (secret)")
+                existing = Path(args.dir) / f"{name}.key_secret"
+                if args.if_missing and not args.force and existing.exists():
+                    public = existing.with_suffix(".key")
+                    print(f"{name}: {public} exists, kept")
+                else:
+                    public, secret = security.create_keys(args.dir, name, force=args.force)
+                    print(f"{name}: {public} (public), {secret} (secret)")
                 if name in args.allow:
                     print(f"  allowed: {security.allow(public, allow_dir)}")
         elif args.action == "allow":

@@ -48,11 +48,13 @@ class SplitConfig:
 @dataclass
 class DispatcherConfig(ServiceConfig):
     verifier: str = setting(default_endpoint("verifier"),
-                            "cloud: target model (cloud-only and spec modes); comma-separated replicas")
+                            "cloud: target model (cloud-only and spec modes); comma-separated replicas, "
+                            "dns+tcp://NAME:PORT = every A record (services/dispatcher/placement.py)")
     drafter: str = setting(default_endpoint("drafter"), "edge: draft model (spec mode)")
     prefix: str = setting(default_endpoint("prefix"), "edge: layers [0, c) (split mode)")
     suffix: str = setting(default_endpoint("suffix"),
-                          "cloud: layers [c, L) (split mode); comma-separated replicas")
+                          "cloud: layers [c, L) (split mode); comma-separated replicas, "
+                          "dns+tcp://NAME:PORT = every A record")
     target: str = setting("bundled", "HF dir whose tokenizer the dispatcher uses")
     default_mode: Literal["cloud-only", "spec", "split"] = setting(
         "cloud-only", "mode of a request that names none")
@@ -66,8 +68,11 @@ class DispatcherConfig(ServiceConfig):
                              gt=0)
     max_recoveries: int = setting(8, "replays of one request before it fails", ge=0)
     recovery_wait_s: float = setting(
-        0.0, "a session that lost its cloud replica waits this long for one to come back; "
-             "0 = until its deadline", ge=0)
+        30.0, "a session that lost its cloud replica waits this long for one to come back, then "
+              "fails `unavailable`; 0 = until its deadline", ge=0)
+    discovery_s: float = setting(
+        10.0, "re-resolve dns+tcp:// replica lists this often (services/dispatcher/placement.py)",
+        gt=0)
     recovery_backoff_s: float = setting(
         0.05, "wait before the first replay; doubles with each replay (jittered)", ge=0)
     recovery_backoff_max_s: float = setting(2.0, "cap on the wait between replays", ge=0)

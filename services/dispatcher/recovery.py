@@ -25,15 +25,20 @@ What triggers a replay (`reason`, a metrics label):
               from the tokens streamed so far, degraded ones included
 Anything else (`busy`, `too_large`, `bad_field`, `internal`, ...) is the request's answer and goes
 to the client. A request gives up after `max_recoveries` replays, or when its deadline passes: a
-replay waits for a replica until the deadline (`recovery_wait_s`, if set, caps the wait), so a
-partition that heals in time is survived with identical output and one that does not ends with
-`deadline`, never a hang. These decisions, the backoff between replays and the temporary ban of
-a replica that keeps failing are pure functions in services/dispatcher/recovery_policy.py.
+replay waits `recovery_wait_s` (30 s; 0 = until the deadline) for a replica, so a restart or a
+partition that heals in time is survived with identical output, and a cloud service that is down
+and not coming back fails the request `unavailable` after that bounded wait, not at its deadline.
+These decisions, the backoff between replays and the temporary ban of a replica that keeps
+failing are pure functions in services/dispatcher/recovery_policy.py.
 
-Replicas: a comma-separated endpoint list (`--verifier tcp://a:5551,tcp://b:5551`) makes one
-Peer per replica ("verifier", "verifier-1", ...). A session sticks to its replica while it is up;
-when it is down, the session moves to any replica that is up, waiting (bounded by the request's
-deadline and `peer_wait_s`) for one when none is.
+Replicas: a comma-separated list (`--verifier tcp://a:5551,tcp://b:5551`, or
+`dns+tcp://verifier.tandem:5551` for every A record of a headless service, re-resolved every
+`discovery_s`) makes one Peer per replica ("verifier", "verifier-1", ...). A new session goes to
+the replica with the least outstanding work (services/dispatcher/placement.py) and sticks to it
+while it is up; when it is down or draining, the session moves to another replica that is up,
+waiting (bounded by the request's deadline and `peer_wait_s` / `recovery_wait_s`) for one when
+none is. A draining replica (SIGTERM) hands its unfinished sessions back with `unavailable`:
+replayed like a lost one.
 
 A mode runs each attempt through `with_recovery` (cloud_only.py is the example):
 
@@ -52,6 +57,7 @@ import time
 
 from common import metrics, protocol
 from common.runtime import Peer, PeerError
+from services.dispatcher import placement
 from services.dispatcher.recovery_policy import (GiveUp, PassThrough, RecoveryPolicy,
                                                  ReplicaHealth, decide)
 
@@ -65,22 +71,96 @@ class Lost(PeerError):
 
 
 class Replicas(list):
-    """The Peers of one role's replicas. New sessions take turns over the replicas that are up
-    and not banned (spreading load); a session then stays on its replica while that is up."""
+    """The Peers of one role's replicas. A new session goes to the replica with the least
+    outstanding work (services/dispatcher/placement.py, from the load each replica reports in
+    its heartbeat replies); a session then stays on its replica while that is up. A list that
+    names DNS targets is re-resolved (`refresh`): new replicas are added, vanished ones retired
+    (no new sessions; sessions on them go on while they answer)."""
 
-    def __init__(self, peers: list[Peer], health: ReplicaHealth | None = None):
+    def __init__(self, peers: list[Peer], service=None, role: str = "", spec: str = "",
+                 health: ReplicaHealth | None = None):
         super().__init__(peers)
         self.turn = 0
-        self.health = health or ReplicaHealth(RecoveryPolicy())
+        self.service, self.role, self.spec = service, role, spec
+        self.health = health or ReplicaHealth(RecoveryPolicy())   # bans (recovery_policy.py)
+        self.retired: set[str] = set()       # endpoints gone from discovery
+        self.placed: dict[str, int] = {}     # peer name -> sessions this dispatcher holds on it
+        self.at_report: dict[str, tuple[object, int]] = {}   # name -> (report seen, placed then)
+        self.suspect: dict[str, object] = {}  # name -> report current when it refused a session
+
+    def estimates(self) -> list[placement.Estimate]:
+        out = []
+        allowed = set(self.health.eligible([p.name for p in self if p.up], time.monotonic()))
+        for p in self:
+            pong = p.load
+            placed = self.placed.get(p.name, 0)
+            seen, then = self.at_report.get(p.name, (None, placed))
+            if seen is not pong:      # a new report: it counts what we had placed by now
+                seen, then = pong, placed
+                self.at_report[p.name] = (seen, then)
+            report = placement.Report() if pong is None else placement.Report(
+                pong.sessions, pong.queued_tokens, pong.kv_bytes, pong.admitting)
+            suspect = p.name in self.suspect and self.suspect[p.name] is pong
+            if p.name in self.suspect and not suspect:
+                del self.suspect[p.name]      # it has reported since: believe the report
+            up = p.up and p.endpoint not in self.retired and p.name in allowed
+            out.append(placement.Estimate(p.name, up, report, placed, then, suspect))
+        return out
 
     def next_up(self) -> Peer | None:
-        eligible = set(self.health.eligible([p.name for p in self if p.up], time.monotonic()))
-        for _ in range(len(self)):
-            peer = self[self.turn % len(self)]
-            self.turn += 1
-            if peer.name in eligible:
-                return peer
-        return None
+        """The replica a new session goes to, or None when none is up and admitting."""
+        if not self:
+            return None
+        i = placement.choose(self.estimates(), self.turn % len(self))
+        if i is None:
+            return None
+        self.turn = i + 1
+        return self[i]
+
+    def acquire(self, peer: Peer) -> None:
+        self.placed[peer.name] = self.placed.get(peer.name, 0) + 1
+        if self.service is not None:
+            metrics.PLACEMENTS.labels(self.service.name, peer.name).inc()
+
+    def release(self, peer: Peer) -> None:
+        self.placed[peer.name] = max(0, self.placed.get(peer.name, 0) - 1)
+
+    def refused(self, peer: Peer) -> None:
+        """`peer` answered `unavailable` while its heartbeats still say up (it is draining, or
+        restarting): no new session goes there until its next report."""
+        self.suspect[peer.name] = peer.load
+
+    def refresh(self, lookup=placement.dns_lookup) -> tuple[list[str], list[str]]:
+        """Re-resolve the replica list: add a Peer per new endpoint, retire vanished ones."""
+        current = [p.endpoint for p in self]
+        resolved = placement.resolve(self.spec, lookup)
+        added, gone = placement.diff(current, resolved)
+        self.retired = set(gone)
+        for ep in added:
+            name = self.role if not self else f"{self.role}-{len(self)}"
+            peer = self.service.peer(name, ep)
+            if self.service.ready:        # serve() started the others; this one starts now
+                peer.start()
+            self.append(peer)
+        if added or gone:
+            self.service.log.info("%s replicas: +%s -%s (%d known)", self.role, added or "[]",
+                                  gone or "[]", len(self))
+        return added, gone
+
+
+def replicas(service, role: str, endpoints: str, lookup=placement.dns_lookup) -> Replicas:
+    """One Peer per endpoint of a comma-separated list (DNS targets resolved: every A record of
+    a headless service), named role, role-1, role-2, ..."""
+    try:
+        placement.targets(endpoints)
+    except ValueError as e:
+        raise ValueError(f"{role}: {e}") from None
+    eps = placement.resolve(endpoints, lookup)
+    if not eps and not placement.is_dynamic(endpoints):
+        raise ValueError(f"{role}: no endpoint configured")
+    return Replicas([service.peer(role if i == 0 else f"{role}-{i}", ep)
+                     for i, ep in enumerate(eps)], service, role, endpoints,
+                    ReplicaHealth(recovery_policy(service.cfg)))
 
 
 def recovery_policy(cfg) -> RecoveryPolicy:
@@ -90,29 +170,23 @@ def recovery_policy(cfg) -> RecoveryPolicy:
                           ban_window_s=cfg.replica_ban_window_s, ban_s=cfg.replica_ban_s)
 
 
-def replicas(service, role: str, endpoints: str) -> Replicas:
-    """One Peer per comma-separated endpoint, named role, role-1, role-2, ..."""
-    eps = [e.strip() for e in endpoints.split(",") if e.strip()]
-    if not eps:
-        raise ValueError(f"{role}: no endpoint configured")
-    return Replicas([service.peer(role if i == 0 else f"{role}-{i}", ep)
-                     for i, ep in enumerate(eps)], ReplicaHealth(recovery_policy(service.cfg)))
-
-
 async def first_up(peers: list[Peer], timeout: float) -> Peer | None:
-    """A replica that is up (taking turns), else the first to come up within `timeout`."""
-    up = peers.next_up() if isinstance(peers, Replicas) else next((p for p in peers if p.up), None)
+    """The replica to place on (least outstanding work), else the first to come up within
+    `timeout`."""
+    place = peers.next_up if isinstance(peers, Replicas) else (
+        lambda: next((p for p in peers if p.up), None))
+    up = place()
     if up is not None or timeout <= 0:
         return up
-    waits = {asyncio.ensure_future(p.wait_up(timeout)): p for p in peers}
-    try:
-        for fut in asyncio.as_completed(list(waits)):
-            if await fut:
-                return next(p for p in peers if p.up)
-    finally:
-        for fut in waits:
-            fut.cancel()
-        await asyncio.gather(*waits, return_exceptions=True)
+    end = time.monotonic() + timeout
+    for p in peers:
+        p.start()
+    while time.monotonic() < end:
+        # polled: the set of replicas may grow (discovery) and their reports change while we wait
+        await asyncio.sleep(min(0.05, max(0.0, end - time.monotonic())))
+        up = place()
+        if up is not None:
+            return up
     return None
 
 
@@ -156,6 +230,7 @@ class Recovery:
         if self.peer is not None and self.peer.up and \
                 (health is None or not health.banned(self.peer.name, time.monotonic())):
             return self.peer
+        self._leave()
         left = self.req.remaining()
         limit = d.cfg.peer_wait_s if self.attempt == 0 else (d.cfg.recovery_wait_s or left)
         wait = min(limit, left)
@@ -169,7 +244,15 @@ class Recovery:
             raise PeerError(protocol.UNAVAILABLE, f"no {self.role} reachable ({names}) "
                                                   f"within {wait:.1f} s")
         self.peer = peer
+        if isinstance(self.peers, Replicas):
+            self.peers.acquire(peer)
         return peer
+
+    def _leave(self) -> None:
+        """The session no longer counts on its replica (placement's tally)."""
+        if self.peer is not None and isinstance(self.peers, Replicas):
+            self.peers.release(self.peer)
+        self.peer = None
 
     async def recv(self, channel) -> tuple:
         """The session's next message; a silence of `stall_s` with time left is a stall."""
@@ -204,7 +287,12 @@ class Recovery:
         if isinstance(decision, GiveUp):
             raise PeerError(decision.code, decision.message)
         now = time.monotonic()
-        if self.peer is not None and health is not None and health.failed(self.peer.name, now):
+        # a replica that hands sessions back while draining (its last report: not admitting) is
+        # shutting down on purpose, not failing: it is not counted toward a ban
+        draining = self.peer is not None and self.peer.load is not None \
+            and not self.peer.load.admitting
+        if self.peer is not None and health is not None and not draining \
+                and health.failed(self.peer.name, now):
             req.d.log.warning("%s %s failed %d sessions within %.0f s: no new sessions for %.0f s",
                               self.role, self.peer.name, policy.ban_failures,
                               policy.ban_window_s, policy.ban_s)
@@ -212,6 +300,12 @@ class Recovery:
                           decision.reason, self.peer.name if self.peer else self.role,
                           err.message, len(self.committed()))
         metrics.RECOVERIES.labels(req.d.name, req.mode, decision.reason).inc()
+        if decision.reason == "down" and self.peer is not None and self.peer.up:
+            # refused or handed back while its heartbeats say up: it is draining (or just
+            # restarted); the replay goes elsewhere, and so do new sessions until it reports
+            if isinstance(self.peers, Replicas):
+                self.peers.refused(self.peer)
+            self._leave()
         self.attempt += 1
         self.reasons.append(decision.reason)
         self.delay = decision.delay_s
@@ -233,6 +327,8 @@ class Recovery:
                                    "recovery_s": [round(t, 4) for t in self.times]})
         if self.peer is not None and len(self.peers) > 1:
             self.req.stats[f"{self.role}_replica"] = self.peer.name
+        if self.peer is not None and isinstance(self.peers, Replicas):
+            self.peers.release(self.peer)
 
 
 async def with_recovery(req, peers: list[Peer], role: str, attempt,

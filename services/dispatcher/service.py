@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from urllib.parse import urlsplit
 
 from common import chat, metrics, protocol, security
 from common.protocol import ProtocolError
@@ -31,11 +32,11 @@ class Dispatcher(Service):
         self.cfg: DispatcherConfig = cfg
         self.requests: dict[tuple[bytes, int], Request] = {}
         self.verifiers = recovery.replicas(self, "verifier", cfg.verifier)  # comma-separated
-        self.verifier = self.verifiers[0]
+        self.verifier = self.verifiers[0] if self.verifiers else None   # none yet: discovery
         self.drafter = self.peer("drafter", cfg.drafter)
         self.prefix = self.peer("prefix", cfg.prefix)
         self.suffixes = recovery.replicas(self, "suffix", cfg.suffix)
-        self.suffix = self.suffixes[0]
+        self.suffix = self.suffixes[0] if self.suffixes else None
         self.quota = security.ClientQuota(cfg.client_max_sessions, cfg.client_max_tokens)
         self.delegates: frozenset[str] = frozenset()   # gateways' keys (setup)
         self.modes: dict[str, Mode] = make_modes(cfg)
@@ -54,6 +55,37 @@ class Dispatcher(Service):
         # the label sets known now, at 0
         metrics.declare_dispatcher(self.name, {name: list(m.policies)
                                                for name, m in self.modes.items()})
+        for reps in (self.verifiers, self.suffixes):
+            if recovery.placement.is_dynamic(reps.spec):
+                self.spawn(self._discover(reps))
+
+    async def _discover(self, reps: recovery.Replicas) -> None:
+        """Re-resolve a dns+tcp:// replica list (every A record of a headless service) every
+        discovery_s: pods that appear get a Peer, pods that vanish get no new sessions."""
+        while True:
+            try:
+                reps.refresh(await self._lookup_all(reps.spec))
+            except Exception:  # noqa: BLE001 - discovery must outlive a resolver hiccup
+                self.log.exception("re-resolving %s failed", reps.spec)
+            await asyncio.sleep(max(0.5, self.cfg.discovery_s))
+
+    async def _lookup_all(self, spec: str):
+        """A lookup function answering from addresses resolved off the event loop."""
+        names = {}
+        for t in recovery.placement.targets(spec):
+            if t.startswith(recovery.placement.DNS_SCHEME):
+                parts = urlsplit("tcp://" + t[len(recovery.placement.DNS_SCHEME):])
+                try:
+                    names[(parts.hostname, parts.port)] = await asyncio.to_thread(
+                        recovery.placement.dns_lookup, parts.hostname, parts.port)
+                except OSError as e:
+                    self.log.warning("cannot resolve %s: %s", parts.hostname, e)
+                    names[(parts.hostname, parts.port)] = []
+        return lambda host, port: names.get((host, port), [])
+
+    def in_flight(self) -> int:
+        """A draining dispatcher waits for its requests in flight."""
+        return len(self.requests)
 
     # --- client requests ----------------------------------------------------------------------
     def need_chat_template(self, field: str) -> None:

@@ -328,8 +328,8 @@ class SpecRun:
 
     async def _reference(self) -> list[int]:
         """The target's greedy continuation (cloud-only generation), for the oracle trigger."""
-        req, d = self.req, self.d
-        ch = d.verifier.channel()
+        req = self.req
+        ch = self.vpeer.channel()   # the replica this session was placed on
         out: list[int] = []
         try:
             await ch.send(protocol.CloudGenerate(sid=f"{req.sid}-oracle", seq=OPEN_SEQ,

@@ -142,6 +142,13 @@ class Suffix(Service):
         self.builder.add(Request(s.sid, s.cut, x.shape[0], now), now)
         self.wakeup.set()
 
+    def load(self) -> tuple[int, int, int]:
+        """Reported in Pong for placement (services/dispatcher/placement.py): sessions, hidden
+        positions waiting for a forward, KV bytes."""
+        queued = sum(int(p.x.shape[0]) for p in self.pending.values())
+        sessions = self.sessions.values()
+        return len(sessions), queued, sum(s.kv.nbytes() for s in sessions)
+
     def session_dropped(self, s: SuffixSession) -> None:
         self.unqueue(s.sid)
         self.rr.drop(s.sid)

@@ -60,6 +60,15 @@ class Verifier(Service):
         self.sessions.add(session)
         self.wakeup.set()
 
+    def load(self) -> tuple[int, int, int]:
+        """Reported in Pong for placement (services/dispatcher/placement.py): sessions, tokens
+        waiting for a forward (a cloud session's pending tokens, a speculative one's prefill),
+        KV bytes."""
+        sessions = self.sessions.values()
+        queued = sum(len(getattr(s, "pending", None) or getattr(s, "prefill", None) or ())
+                     for s in sessions)
+        return len(sessions), queued, sum(s.kv.nbytes() for s in sessions)
+
     def retried_open(self, ident: bytes, msg: Msg, kind: type) -> EngineSession | None:
         """Admission for an open; the session when `msg` repeats its open (its replies now go to
         `ident` and `msg.rid`: whoever asked last), None for a new session."""

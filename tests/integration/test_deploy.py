@@ -506,13 +506,13 @@ def compose_config(profiles: tuple[str, ...] = (), files: tuple[Path, ...] = (CO
 
 
 PROFILE_SETS = {
-    "default": ((), {"models"}),
-    "edge": (("edge",), {"models", "api"} | EDGE | MONITORING),
-    "cloud": (("cloud",), {"models"} | CLOUD | MONITORING),
-    "edge+cloud": (("edge", "cloud"), {"models", "api"} | EDGE | CLOUD | MONITORING),
-    "edge+cloud+wan": (("edge", "cloud", "wan"), {"models", "api", "wan"} | EDGE | CLOUD |
+    "default": ((), {"models", "keys"}),
+    "edge": (("edge",), {"models", "keys", "api"} | EDGE | MONITORING),
+    "cloud": (("cloud",), {"models", "keys"} | CLOUD | MONITORING),
+    "edge+cloud": (("edge", "cloud"), {"models", "keys", "api"} | EDGE | CLOUD | MONITORING),
+    "edge+cloud+wan": (("edge", "cloud", "wan"), {"models", "keys", "api", "wan"} | EDGE | CLOUD |
                        MONITORING),
-    "monitoring": (("monitoring",), {"models"} | MONITORING),
+    "monitoring": (("monitoring",), {"models", "keys"} | MONITORING),
 }
 
 
