@@ -325,8 +325,8 @@ class Gateway:
         self.created = int(time.time())
 
     async def start(self) -> None:
-        from common import models  # noqa: PLC0415
-        from tandem.client import AsyncClient  # noqa: PLC0415
+        from common import models
+        from tandem.client import AsyncClient
 
         path = models.resolve_target(self.cfg.target)
         self.tokenizer = await asyncio.to_thread(_load_tokenizer, path)
@@ -448,7 +448,7 @@ class Run:
 
 
 def _load_tokenizer(path):
-    from transformers import AutoTokenizer  # noqa: PLC0415
+    from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(str(path))
 
 

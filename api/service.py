@@ -33,18 +33,18 @@ def merge_repeated(argv: list[str], flag: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from api.config import ApiConfig  # noqa: PLC0415
+    from api.config import ApiConfig
     argv = merge_repeated(sys.argv[1:] if argv is None else list(argv), "--api-key")
     cfg = load(ApiConfig, "api", argv)
     logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s api %(levelname)s %(message)s")
     if cfg.cpus:
-        from common import resources  # noqa: PLC0415
+        from common import resources
         os.sched_setaffinity(0, resources.parse_cpus(cfg.cpus))
-    import uvicorn  # noqa: PLC0415
+    import uvicorn
 
-    from api.app import create_app  # noqa: PLC0415
-    from api.auth import KeysError  # noqa: PLC0415
+    from api.app import create_app
+    from api.auth import KeysError
     try:
         app = create_app(cfg)
     except KeysError as e:

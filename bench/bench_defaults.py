@@ -33,7 +33,6 @@ import argparse
 import contextlib
 import math
 import os
-import statistics
 import sys
 import time
 import warnings
@@ -88,8 +87,8 @@ def request(c, mode: str, prompt: str, n: int):
 def ratio_ci(a: list[float], b: list[float], level: float = 0.95) -> tuple[float, float, float]:
     """mean(a) / mean(b) over paired samples, with a bootstrap confidence interval (BCa; the
     percentile interval when BCa is degenerate, e.g. with very few pairs)."""
-    import numpy as np  # noqa: PLC0415
-    from scipy.stats import bootstrap  # noqa: PLC0415
+    import numpy as np
+    from scipy.stats import bootstrap
 
     a, b = np.asarray(a, float), np.asarray(b, float)
     point = float(a.mean() / b.mean())
@@ -196,7 +195,7 @@ def main(argv=None) -> int:
     repeats = args.repeats or (2 if args.quick else 4)
     kinds = ["chat"] if args.quick else list(PROMPTS)
     t0 = time.monotonic()
-    from tandem import Client  # noqa: PLC0415
+    from tandem import Client
 
     logroot = run_dir() / "bench-defaults"
     flags = ["--spec-bo", "true" if args.bo else "false"]

@@ -164,7 +164,7 @@ def _sdk_stream(client, prompt: str, tokens: int) -> tuple[float, float, int]:
 
 def _gateway_stream(http, base: str, prompt: str, tokens: int) -> tuple[float, float, int]:
     """(TTFT s, TPT s, tokens) of one SSE stream from the gateway's /v1/completions."""
-    import json  # noqa: PLC0415
+    import json
     body = {"model": "tandem", "prompt": prompt, "max_tokens": tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
@@ -188,9 +188,9 @@ def _gateway_stream(http, base: str, prompt: str, tokens: int) -> tuple[float, f
 
 def diff_ci(a: list[float], b: list[float], level: float = 0.95) -> tuple[float, float, float]:
     """mean(a - b) over paired samples, with a bootstrap CI (BCa, else percentile)."""
-    import warnings  # noqa: PLC0415
+    import warnings
 
-    from scipy.stats import bootstrap  # noqa: PLC0415
+    from scipy.stats import bootstrap
     d = np.asarray(a, float) - np.asarray(b, float)
     point = float(d.mean())
     if len(d) < 2:
@@ -211,11 +211,11 @@ def diff_ci(a: list[float], b: list[float], level: float = 0.95) -> tuple[float,
 
 def gateway_vs_sdk(tokens: int, reps: int, threads: int) -> dict:
     """Part 4: interleaved SDK and gateway streams on one cloud-only stack."""
-    import httpx  # noqa: PLC0415
+    import httpx
 
-    from bench.bench_defaults import ratio_ci  # noqa: PLC0415
-    from common.observability import start_gateway  # noqa: PLC0415
-    from tandem import Client  # noqa: PLC0415
+    from bench.bench_defaults import ratio_ci
+    from common.observability import start_gateway
+    from tandem import Client
 
     cores = os.cpu_count() or 1
     c = Cluster(services=("verifier", "dispatcher"), ephemeral=True,
@@ -225,7 +225,7 @@ def gateway_vs_sdk(tokens: int, reps: int, threads: int) -> dict:
     gateway = None
     try:
         c.wait_ready(180)
-        import tempfile  # noqa: PLC0415
+        import tempfile
         log = Path(tempfile.mkdtemp(prefix="tandem-bench-api-")) / "api.log"
         gateway, base = start_gateway(c.endpoint("dispatcher"), log)
         os.sched_setaffinity(gateway.pid, {cores - 1})   # beside the dispatcher, as on an edge box

@@ -44,7 +44,7 @@ def _ms(f) -> float:
 
 def decode_cases(runner, hf, ctx: int, steps: int):
     """Closures, each returning one measurement in ms (state is rebuilt inside, untimed)."""
-    from transformers import DynamicCache  # noqa: PLC0415
+    from transformers import DynamicCache
 
     L = runner.num_layers
     gen = torch.Generator().manual_seed(0)
@@ -90,7 +90,6 @@ def decode_cases(runner, hf, ctx: int, steps: int):
 
 def gemm_table(reps: int) -> list[dict]:
     """LM head x @ W.T by method; numpy (OpenBLAS) last, its spinning threads disturb OpenMP."""
-    import numpy as np  # noqa: PLC0415
 
     F = torch.nn.functional
     V, H = 49152, 576
@@ -111,7 +110,7 @@ def gemm_table(reps: int) -> list[dict]:
         for m in (1, 2, 8, 64):
             x = torch.randn(m, H)
             f(x)
-            row[f"{m} rows ms"] = statistics.median(_ms(lambda: f(x)) for _ in range(reps))
+            row[f"{m} rows ms"] = statistics.median(_ms(lambda: f(x)) for _ in range(reps))  # noqa: B023 - called within this iteration
         rows.append(row)
     return rows
 
@@ -134,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
 
-    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+    from transformers import AutoModelForCausalLM
 
     path = resolve_target(args.target)
     runner = LayerRangeRunner(path)

@@ -37,7 +37,7 @@ def main(argv: list[str]) -> int:
             args += ["--json", str(Path(plot_path).with_suffix(".json"))]
     rc = module.main(args) or 0
     if plot_path and rc == 0:
-        from bench.plots import plot  # noqa: PLC0415
+        from bench.plots import plot
         doc = json.loads(Path(args[args.index("--json") + 1]).read_text())
         print(f"plot: {plot(doc, plot_path)}")
     return rc

@@ -27,16 +27,16 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import matplotlib  # noqa: E402
+import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.dates as mdates  # noqa: E402
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+import matplotlib.dates as mdates
+import matplotlib.pyplot as plt
+import numpy as np
 
-from common import observability as obs  # noqa: E402
-from bench import traffic  # noqa: E402
-from common.models import repo_root  # noqa: E402
+from common import observability as obs
+from bench import traffic
+from common.models import repo_root
 
 OUT = repo_root() / "docs" / "img" / "dashboards"
 
@@ -254,7 +254,7 @@ def draw_state_timeline(ax, panel, data: Data) -> int:
     ax.set_facecolor(PANEL)
     for sp in ax.spines.values():
         sp.set_visible(False)
-    for i, (label, t, y) in enumerate(series):
+    for i, (_label, t, y) in enumerate(series):
         x = mdates.date2num(t)
         if len(x) < 2:
             continue

@@ -8,7 +8,7 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")  # files only, no display
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 
 def _spec(doc: dict, ax) -> None:
@@ -63,7 +63,8 @@ def _split(doc: dict, ax) -> None:
     for r in split_rows(doc):
         if r.get("section", "poisson") != "poisson":
             continue
-        if r.get("throughput_tok_s") is not None and r.get("scheduler") and isinstance(r.get("concurrency"), (int, float)):
+        if (r.get("throughput_tok_s") is not None and r.get("scheduler")
+                and isinstance(r.get("concurrency"), (int, float))):
             by_sched[r["scheduler"]].append((r["concurrency"], r["throughput_tok_s"]))
     for sched, pts in sorted(by_sched.items()):
         pts.sort()

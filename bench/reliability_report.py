@@ -4,7 +4,8 @@
     python -m bench.reliability_report --slow     # + the full chaos sweep, long load, 300-example fuzz, atheris
     python -m bench.reliability_report --render   # only re-render from the last run's figures
 
-The tests (tests/integration/test_chaos.py, test_partitions.py, test_faults.py, test_load.py, test_fuzz.py, test_security.py)
+The tests (tests/integration/: test_chaos.py, test_partitions.py, test_faults.py, test_load.py,
+test_fuzz.py, test_security.py, test_replicas_process.py)
 write one JSON per section into $TANDEM_RELIABILITY_DIR; this script points that at its own
 directory (run/reliability-report/), clears it, runs pytest, and writes the page from what the
 tests measured — no figure on the page is typed by hand. Exit status: pytest's.
@@ -185,7 +186,8 @@ def render(d: dict) -> str:
     # --- chaos
     L += ["## WAN chaos (tests/integration/test_chaos.py)", "",
           "The dispatcher reaches the verifier (cloud-only, spec) and the suffix (split) through "
-          "the WAN emulator (common/wan.py); two greedy sessions run per condition. *recover* = fault injected to the next token at "
+          "the WAN emulator (common/wan.py); two greedy sessions run per condition. *recover* = "
+          "fault injected to the next token at "
           "the client; *longest gap* = longest silence between two tokens. Replays (reasons: "
           "`down` = heartbeats stopped, `gap` = a token index jumped, `stall` = silence with "
           "time left) rebuild the session from its committed tokens "
@@ -201,7 +203,7 @@ def render(d: dict) -> str:
                      v.get("longest_gap_s")])
     L += _table(["condition", "tokens", "lost", "dup", "replays", "reasons", "recover s",
                  "longest gap s"], rows)
-    for name, v in chaos.items():
+    for v in chaos.values():
         if v.get("kind") == "deadline":
             L += ["", f"Deadline: a request with a {v['deadline_s']} s deadline during a 6 s "
                   f"cut partition was answered `{v['error']}` after {v['answered_after_s']} s "

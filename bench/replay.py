@@ -275,7 +275,7 @@ async def burst_fleet(peer, recs: list[Recording], cuts: list[int], edge: EdgeMo
 # --- suffix metrics ---------------------------------------------------------------------------
 def scrape(url: str) -> dict[str, float]:
     """Prometheus text -> {sample name with labels: value} (sums and counts are enough here)."""
-    import urllib.request  # noqa: PLC0415
+    import urllib.request
 
     out = {}
     with urllib.request.urlopen(url, timeout=10) as r:

@@ -27,8 +27,8 @@ RAPL = Path("/sys/class/powercap/intel-rapl:0/energy_uj")
 
 def draft_matches(drafter_gguf: str | Path, prompts: dict[str, list[int]],
                   outputs: dict[str, list[int]]) -> dict[str, list[bool]]:
-    import llama_cpp  # noqa: PLC0415
-    import numpy as np  # noqa: PLC0415
+    import llama_cpp
+    import numpy as np
     longest = max(len(prompts[k]) + len(outputs[k]) for k in outputs)
     llm = llama_cpp.Llama(model_path=str(drafter_gguf), n_ctx=max(512, longest + 8),
                           n_threads=1, n_batch=512, logits_all=True, verbose=False)
@@ -45,9 +45,9 @@ def draft_matches(drafter_gguf: str | Path, prompts: dict[str, list[int]],
 
 
 def verify_curve(target: str | Path, context: list[int], most: int = 16, reps: int = 3) -> list[float]:
-    import torch  # noqa: PLC0415
+    import torch
 
-    from common.runner import LayerRangeRunner, Segment  # noqa: PLC0415
+    from common.runner import LayerRangeRunner, Segment
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -16,7 +16,7 @@ SEED = 0   # intervals are reproducible from the JSON's numbers
 
 
 def _interval(data, statistic, paired: bool) -> list[float]:
-    from scipy.stats import bootstrap  # noqa: PLC0415  (scipy import is slow: only when used)
+    from scipy.stats import bootstrap
     n = len(data[0])
     if n < 2:
         return [math.nan, math.nan]

@@ -59,7 +59,7 @@ class TuneResult:
 
 
 def _space(policy: str):
-    from skopt.space import Integer, Real  # noqa: PLC0415  (slow import)
+    from skopt.space import Integer, Real
     dims = []
     for name, kind, lo, hi, prior in KNOBS[policy]:
         dims.append(Integer(int(lo), int(hi), name=name) if kind == "int"
@@ -83,7 +83,7 @@ class PolicyTuner:
 
     def __init__(self, policy: str, budget: int = 16, seed: int = 0,
                  config: BOConfig | None = None):
-        from skopt import Optimizer  # noqa: PLC0415  (slow import)
+        from skopt import Optimizer
         if budget < 1:
             raise ValueError("budget must be >= 1")
         if policy not in KNOBS:

@@ -124,7 +124,7 @@ def rope_kinds(cfg, head_dim: int) -> dict[str | None, tuple[torch.Tensor, float
                 torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
             out[key] = (inv_freq, 1.0)
         else:
-            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: PLC0415
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
             fn = ROPE_INIT_FUNCTIONS[rope_type]
             out[key] = fn(cfg, None, layer_type=key) if key is not None else fn(cfg, None)

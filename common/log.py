@@ -13,7 +13,8 @@ class _TTYFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         colour = _COLOURS.get(record.levelname, "")
         t = self.formatTime(record, "%H:%M:%S")
-        msg = f"\033[2m{t}\033[0m {colour}{record.levelname[0]}\033[0m \033[1m{record.name}\033[0m {record.getMessage()}"
+        msg = (f"\033[2m{t}\033[0m {colour}{record.levelname[0]}\033[0m "
+               f"\033[1m{record.name}\033[0m {record.getMessage()}")
         if record.exc_info:
             msg += "\n" + self.formatException(record.exc_info)
         return msg

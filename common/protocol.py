@@ -273,7 +273,8 @@ class DraftOpen(Msg, tag="draft_open"):
     token_ids: list[TokenId]
     sampling: Sampling = msgspec.field(default_factory=Sampling)
     top_k: Annotated[int, msgspec.Meta(ge=1, le=64)] = 16  # sparse q width when sampling
-    max_tokens: Size = 0          # positions past the prompt the session may reach (sizes its context); 0 = drafter default
+    max_tokens: Size = 0          # positions past the prompt the session may reach (sizes its context);
+    #                               0 = the drafter's default
 
 
 class DraftRequest(Msg, tag="draft"):
@@ -368,7 +369,7 @@ def tensor_frame(array, frame: int) -> tuple[TensorRef, memoryview]:
         if dtype not in DTYPES:
             raise ProtocolError(BAD_TENSOR, f"dtype {dtype} cannot travel")
         shape = list(t.shape)
-        import torch  # noqa: PLC0415  (torch is only present on services that have tensors)
+        import torch
         raw = t.view(torch.int16) if dtype == "bfloat16" else t
         data = memoryview(raw.numpy()).cast("B")
         return TensorRef(dtype=dtype, shape=shape, frame=frame), data
@@ -509,7 +510,7 @@ def tensor_numpy(ref: TensorRef, frames: list) -> np.ndarray:
 
 def tensor_torch(ref: TensorRef, frames: list):
     """The referenced frame as a torch tensor (copy; bfloat16 preserved)."""
-    import torch  # noqa: PLC0415
+    import torch
 
     f = frames[ref.frame + 1]
     buf = bytearray(f.buffer if hasattr(f, "buffer") else f)

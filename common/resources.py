@@ -225,9 +225,9 @@ def describe(shares: dict[str, Share], cores: Sequence[int] | None = None) -> st
 def service_settings(service: str, argv: Sequence[str] = (), env: dict | None = None):
     """A service's configuration as it will load it (YAML < env < argv): its `threads`, `cpus`
     and `device` are the plan's overrides and hints."""
-    import importlib  # noqa: PLC0415
+    import importlib
 
-    from common.config import load  # noqa: PLC0415
+    from common.config import load
     mod = importlib.import_module(f"services.{service}.config")
     cls = next(v for k, v in vars(mod).items() if k.lower() == f"{service}config")
     return load(cls, service, list(argv), env)

@@ -170,10 +170,10 @@ def _safetensors_index(model_dir: Path) -> dict[str, Path]:
     if not single.is_file():
         raise ValueError(f"{model_dir}: no model.safetensors(.index.json); only safetensors "
                          "checkpoints are supported")
-    from safetensors import safe_open  # noqa: PLC0415
+    from safetensors import safe_open
 
     with safe_open(str(single), framework="pt") as f:
-        return {k: single for k in f.keys()}  # noqa: SIM118 - safe_open is not a mapping
+        return {k: single for k in f.keys()}
 
 
 class LayerRangeRunner:
@@ -193,7 +193,7 @@ class LayerRangeRunner:
         raw = json.loads((model_dir / "config.json").read_text())
         where = f"{model_dir}: "
         self.family = fam = family_of(raw.get("model_type"), where)
-        from transformers import AutoConfig  # noqa: PLC0415
+        from transformers import AutoConfig
 
         cfg = AutoConfig.from_pretrained(str(model_dir))
         check_config(cfg, fam, where)
@@ -230,7 +230,7 @@ class LayerRangeRunner:
         self.rope_tables: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}
 
         index = _safetensors_index(model_dir)
-        from safetensors import safe_open  # noqa: PLC0415
+        from safetensors import safe_open
 
         handles: dict[Path, object] = {}
 

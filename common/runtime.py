@@ -305,7 +305,7 @@ class Service:
         if req.sid:
             try:
                 await self.drop_session(req.sid)
-            except Exception:  # noqa: BLE001 - the peer must still hear that the session ended
+            except Exception:
                 self.log.exception("dropping session %r failed", req.sid)
         whose = f"session {req.sid!r}" if req.sid else "a request without a session"
         await self.error(ident, req, protocol.INTERNAL,
@@ -412,7 +412,7 @@ class Service:
     async def _dispatch(self, ident: bytes, frames: list) -> None:
         try:
             msg = protocol.decode(frames, self.limits)
-        except Exception as e:  # noqa: BLE001 - a decoder bug must not take the service down
+        except Exception as e:
             if not isinstance(e, ProtocolError):
                 self.log.exception("decoder failed on a message")
                 e = ProtocolError(protocol.BAD_FRAME, f"undecodable message ({type(e).__name__})")
@@ -622,10 +622,10 @@ class Service:
     @classmethod
     def launch(cls, config_cls: type, argv: list[str] | None = None) -> None:
         """`tandem serve <name>`: config (YAML < env < CLI), logging, torch threads, run."""
-        import sys  # noqa: PLC0415
+        import sys
 
-        from common import log  # noqa: PLC0415
-        from common.config import load  # noqa: PLC0415
+        from common import log
+        from common.config import load
 
         cfg = load(config_cls, cls.name, argv)
         log.setup(cls.name, cfg.log_level)
@@ -636,7 +636,7 @@ class Service:
     def run(self) -> None:
         """Blocking entry point: uvloop, SIGTERM/SIGINT -> graceful shutdown."""
         try:
-            import uvloop  # noqa: PLC0415
+            import uvloop
             runner = uvloop.run
         except ImportError:  # pragma: no cover
             runner = asyncio.run

@@ -198,7 +198,7 @@ def apply_client(sock: zmq.Socket, keys: ClientKeys) -> None:
 def start_authenticator(ctx: zmq.Context, keys: ServerKeys):
     """ZAP handler on the running asyncio loop: a CURVE client is let in only if its public key
     is a *.key file in the allowlist directory (read once, at start)."""
-    from zmq.auth.asyncio import AsyncioAuthenticator  # noqa: PLC0415
+    from zmq.auth.asyncio import AsyncioAuthenticator
 
     auth = AsyncioAuthenticator(ctx, log=logging.getLogger("tandem.security.zap"))
     auth.start()

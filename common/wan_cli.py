@@ -108,7 +108,7 @@ async def _serve(args: argparse.Namespace) -> int:
 def _run(argv: list[str]) -> int:
     args = _run_parser().parse_args(argv)
     try:
-        import uvloop  # noqa: PLC0415
+        import uvloop
         return uvloop.run(_serve(args))
     except ImportError:
         return asyncio.run(_serve(args))

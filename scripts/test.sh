@@ -13,4 +13,5 @@ if ! command -v promtool >/dev/null 2>&1; then
   fi
 fi
 scripts/setup.sh --dev
+.venv/bin/ruff check .          # lint (pyproject.toml [tool.ruff]); a finding fails CI
 exec .venv/bin/python -m pytest "$@"

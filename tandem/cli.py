@@ -31,7 +31,7 @@ DEMO_PROMPT = "Explain in two sentences why speculative decoding is lossless."
 
 
 def _available_services() -> list[str]:
-    from common.launcher import GATEWAY, SERVICES  # noqa: PLC0415
+    from common.launcher import GATEWAY, SERVICES
     root = Path(__file__).resolve().parent.parent
     found = [s for s in SERVICES if (root / "services" / s / "service.py").is_file()]
     if "dispatcher" in found and (root / "api" / "service.py").is_file():
@@ -40,7 +40,7 @@ def _available_services() -> list[str]:
 
 
 def cmd_models(args) -> int:
-    from common import models  # noqa: PLC0415
+    from common import models
     if args.action == "list":
         rows = [{"name": m.name, "description": m.description, "prepared": m.prepared(),
                  "target": str(models.models_dir() / m.target_dir),
@@ -105,7 +105,7 @@ def _select_model(args) -> tuple[Path, Path | None]:
     the bundled model. A named target brings its own drafter; a GGUF target without a drafter
     gets a Q4_0 re-quantisation of itself; an HF directory without one runs without a drafter
     (no spec mode). Raises ModelError."""
-    from common import models  # noqa: PLC0415
+    from common import models
 
     if args.model and args.target:
         raise models.ModelError("--model and --target are exclusive: a named model brings its "
@@ -135,8 +135,8 @@ def _fail(args, code: str, message: str, hint: str = "", field: str = "") -> int
 
 
 def cmd_up(args) -> int:
-    from common import models  # noqa: PLC0415
-    from common.launcher import (Cluster, Supervisor, parse_replicas, planned,  # noqa: PLC0415
+    from common import models
+    from common.launcher import (Cluster, Supervisor, parse_replicas, planned,
                                  run_dir, supervise_detached)
 
     existing = Cluster.from_state()
@@ -225,7 +225,7 @@ def cmd_up(args) -> int:
 def _port_taken(host: str, port: int) -> bool:
     """Something listens on host:port (a bind test: SO_REUSEADDR, like ZMQ's and asyncio's
     listeners, so a port left in TIME_WAIT by a stopped Tandem does not count)."""
-    import socket  # noqa: PLC0415
+    import socket
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -237,7 +237,7 @@ def _port_taken(host: str, port: int) -> bool:
 
 def _listening(endpoint: str, timeout: float = 2.0) -> bool | None:
     """Whether a TCP endpoint accepts connections (None: not a tcp:// endpoint, unknown)."""
-    import socket  # noqa: PLC0415
+    import socket
     if not endpoint.startswith("tcp://"):
         return None
     host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
@@ -260,7 +260,7 @@ def _has_chat_template(target: Path) -> bool:
 def _demo(endpoint: str, mode: str, warmup: int = 2, chat: bool = True) -> None:
     """Warm up first (first-call costs: oneDNN weight packing, llama.cpp graph allocation,
     the drafter's first context), then stream the demo and print steady-state figures."""
-    from tandem import Client  # noqa: PLC0415
+    from tandem import Client
     print(f"\ndemo ({mode}): {DEMO_PROMPT}\n", flush=True)
     with Client(endpoint) as c:
         for _ in range(warmup):
@@ -288,7 +288,7 @@ def _stats_line(stats: dict) -> str:
 
 
 def cmd_down(args) -> int:
-    from common.launcher import Cluster, run_dir, stop_supervisor  # noqa: PLC0415
+    from common.launcher import Cluster, run_dir, stop_supervisor
     stop_supervisor()   # first, so that it does not restart what we stop
     c = Cluster.from_state()
     if c is None:
@@ -303,7 +303,7 @@ def cmd_down(args) -> int:
 
 
 def cmd_status(args) -> int:
-    from common.launcher import Cluster  # noqa: PLC0415
+    from common.launcher import Cluster
     c = Cluster.from_state()
     rows = []
     if c is not None:
@@ -319,7 +319,7 @@ def cmd_status(args) -> int:
     elif not rows:
         print("tandem is not running (start it with `tandem up`)")
     else:
-        from common.resources import format_cpus  # noqa: PLC0415
+        from common.resources import format_cpus
         for r in rows:
             share = (f"{r['threads'] or '-':>2} threads on cores {format_cpus(r['cpus']) or 'all':6s}")
             restarts = f" restarted {r['restarts']}x" if r["restarts"] else ""
@@ -350,7 +350,7 @@ def _plan_serve(service: str, rest: list[str]) -> list[str]:
     (its cpuset and CPU quota) as if its half (edge: dispatcher, drafter, prefix; cloud:
     verifier, suffix) ran beside it, as it does in a deployment: threads, affinity and how idle
     threads wait, before torch or llama.cpp start a thread.  Its own threads / cpus settings win."""
-    from common import resources  # noqa: PLC0415
+    from common import resources
     cfg = resources.service_settings(service, rest)
     gpu = [service] if str(getattr(cfg, "device", "cpu")).startswith("cuda") else []
     try:
@@ -376,7 +376,7 @@ def _plan_serve(service: str, rest: list[str]) -> list[str]:
 
 
 def cmd_generate(args) -> int:
-    from tandem import Client, TandemError  # noqa: PLC0415
+    from tandem import Client, TandemError
     kw = dict(mode=args.mode, max_tokens=args.max_tokens, temperature=args.temperature,
               top_k=args.top_k, top_p=args.top_p, seed=args.seed, policy=args.policy,
               cut=args.cut, chat=args.chat, deadline_s=args.deadline)
@@ -410,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(prog="tandem", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    from tandem import __version__  # noqa: PLC0415
+    from tandem import __version__
     ap.add_argument("--version", action="version", version=f"tandem {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True)
     up = sub.add_parser("up", help="start all services locally and stream a demo")

@@ -100,7 +100,7 @@ def curve_keys(server_key, client_key):
     if server_key is None or client_key is None:
         raise ValueError("CURVE needs both curve_server_key (the dispatcher's NAME.key) and "
                          "curve_client_key (this client's NAME.key_secret)")
-    from common import security  # noqa: PLC0415 - zmq.auth, only when CURVE is asked for
+    from common import security
 
     if isinstance(server_key, (str, bytes)) and len(server_key) == 40 and \
             not os.path.exists(server_key):

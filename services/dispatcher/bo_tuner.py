@@ -32,7 +32,8 @@ the first ``drift_baseline_windows`` windows (≥ min_tokens each) at the settle
 ``|ewma − reference| / reference > drift_fraction`` (25 %) and the window's own TPT is out of
 that band too, for ``drift_patience`` consecutive windows, conditions have changed and a new
 search starts (either direction: a faster link may favour other thresholds).  Requiring the
-window itself out of band keeps one outlier, which lingers in the EWMA, from re-tuning.  The new search is warm-started by
+window itself out of band keeps one outlier, which lingers in the EWMA, from re-tuning.  The new search is
+warm-started by
 re-measuring the previous search's ``warm_start_points`` best points (by posterior mean) first (old TPT values are
 stale after a drift, so they are re-evaluated, not re-used).
 
@@ -107,7 +108,7 @@ class SearchResult:
 
 
 def _space():
-    from skopt.space import Real  # noqa: PLC0415  (skopt import is slow: only when used)
+    from skopt.space import Real
     return [Real(R_LOW, R_HIGH, prior="log-uniform", name="r1"),
             Real(R_LOW, R_HIGH, prior="uniform", name="r2")]
 
@@ -174,7 +175,7 @@ class BOTuner:
 
     # -- search --------------------------------------------------------------------------------
     def _start_search(self, first_points: list[tuple[float, float]]) -> None:
-        from skopt import Optimizer  # noqa: PLC0415
+        from skopt import Optimizer
         c = self.config
         self._opt = Optimizer(
             _space(), base_estimator="GP", acq_func="EI", acq_func_kwargs={"xi": c.xi},

@@ -15,8 +15,9 @@ Rules
   that restarts is not hit by every session at the same instant; the wait never runs past the
   request's deadline.
 * A replica that fails `ban_failures` times within `ban_window_s` is banned for `ban_s`: new
-  sessions and replays go elsewhere (the sessions one crash fails together count once). A ban never leaves a request without a replica: when every
-  replica that is up is banned, they are all eligible again.
+  sessions and replays go elsewhere (the sessions one crash fails together count once). A ban
+  never leaves a request without a replica: when every replica that is up is banned, they are
+  all eligible again.
 """
 
 from __future__ import annotations

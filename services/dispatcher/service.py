@@ -44,9 +44,9 @@ class Dispatcher(Service):
         self.route(protocol.Cancel, self.on_cancel)
 
     async def setup(self) -> None:
-        from transformers import AutoTokenizer  # noqa: PLC0415
+        from transformers import AutoTokenizer
 
-        from common import models  # noqa: PLC0415
+        from common import models
 
         self.delegates = security.load_delegates(self.cfg.client_delegates)
         path = models.resolve_target(self.cfg.target)
@@ -65,7 +65,7 @@ class Dispatcher(Service):
         while True:
             try:
                 reps.refresh(await self._lookup_all(reps.spec))
-            except Exception:  # noqa: BLE001 - discovery must outlive a resolver hiccup
+            except Exception:
                 self.log.exception("re-resolving %s failed", reps.spec)
             await asyncio.sleep(max(0.5, self.cfg.discovery_s))
 
@@ -176,7 +176,7 @@ class Dispatcher(Service):
         except (PeerError, ProtocolError) as e:
             outcome = "error"
             reply = (e.code, e.message)
-        except Exception:  # noqa: BLE001 - a bug ends this request only; the traceback is logged
+        except Exception:
             outcome = "error"
             self.log.exception("request %s failed", req.sid)
             reply = (protocol.INTERNAL, f"dispatcher: internal error while serving request "

@@ -9,7 +9,8 @@ where `create_completion(logprobs=...)` is ~6x slower per token. Each session ow
     KV cache = tokens[0 : n_past]           what llama.cpp has evaluated (n_past < len(tokens))
 
 `step()` evaluates tokens[n_past:] (the prompt in chunks, every later token alone, so its logits
-never depend on timing), reads the last logits row and appends one draft token. `rollback(keep, append)` truncates the KV cache to
+never depend on timing), reads the last logits row and appends one draft token.
+`rollback(keep, append)` truncates the KV cache to
 `keep` tokens (`llama_memory_seq_rm`) and appends the target's token; the next step re-evaluates
 from there, so drafts after a rollback are exactly those of a session that never drafted past
 `keep` (tests/integration/test_drafter.py checks it).
@@ -39,7 +40,7 @@ _backend_lock = threading.Lock()
 _backend_ready = False
 
 
-def _quiet_log(level, text, user_data):  # noqa: ARG001 - llama.cpp's chatter goes nowhere
+def _quiet_log(level, text, user_data):
     return None
 
 

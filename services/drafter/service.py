@@ -60,7 +60,7 @@ class Drafter(Service):
         self.route(protocol.Close, self.on_close)
 
     async def setup(self) -> None:
-        from common import models  # noqa: PLC0415
+        from common import models
 
         path = models.resolve_drafter(self.cfg.drafter)
         self.model = await asyncio.to_thread(DraftModel, str(path), self.cfg.threads,

@@ -82,8 +82,8 @@ class Prefix(Service):
         self.route(protocol.Close, self.on_close)
 
     async def setup(self) -> None:
-        from common import models  # noqa: PLC0415
-        from common.runner import LayerRangeRunner  # noqa: PLC0415
+        from common import models
+        from common.runner import LayerRangeRunner
 
         path = models.resolve_target(self.cfg.target)
         L = json.loads((path / "config.json").read_text())["num_hidden_layers"]

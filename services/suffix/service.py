@@ -74,8 +74,8 @@ class Suffix(Service):
         self.route(protocol.Close, self.on_close)
 
     async def setup(self) -> None:
-        from common import models  # noqa: PLC0415
-        from common.runner import LayerRangeRunner  # noqa: PLC0415
+        from common import models
+        from common.runner import LayerRangeRunner
 
         path = models.resolve_target(self.cfg.target)
         self.runner = await asyncio.to_thread(
@@ -224,7 +224,7 @@ class Suffix(Service):
             # it without moving the round-robin
             solo = {p.session.sid: self.plan([p], "fifo") for p in window}
             outs = await self.compute_each(
-                lambda w: self.step(plan if len(w) == len(window) else solo[w[0].session.sid], w),
+                lambda w: self.step(plan if len(w) == len(window) else solo[w[0].session.sid], w),  # noqa: B023 - called within this iteration
                 window)
             self.last_end = time.monotonic()
             ok = [o for o in outs if not isinstance(o, Exception)]

@@ -41,8 +41,8 @@ class Verifier(Service):
         self.route(protocol.Close, self.on_close)
 
     async def setup(self) -> None:
-        from common import models  # noqa: PLC0415
-        from common.runner import LayerRangeRunner  # noqa: PLC0415
+        from common import models
+        from common.runner import LayerRangeRunner
 
         path = models.resolve_target(self.cfg.target)
         dtype = getattr(torch, self.cfg.dtype)
@@ -164,7 +164,7 @@ class Verifier(Service):
         return step
 
     def run_step(self, step):
-        from common.runner import Segment  # noqa: PLC0415
+        from common.runner import Segment
 
         # While a speculative session is open a drafter drafts at the same time as we verify
         # (PipeSD drafts ahead); when it runs on this machine (the resource plan,

@@ -76,7 +76,7 @@ def metric_catalog() -> dict[str, MetricFamily]:
     Counters are queried as NAME_total, histograms as NAME_bucket / _sum / _count, gauges as
     NAME.  (`_created` series are deliberately not offered to dashboards.)
     """
-    import prometheus_client  # noqa: PLC0415
+    import prometheus_client
 
     labels_of = {}
     for module in ("common.metrics", "api.metrics"):   # the services' and the API gateway's
@@ -450,7 +450,7 @@ def test_every_panel_returns_data_from_a_real_prometheus(tmp_path):
                     bad.append(f"{dash}: variable {var} ({query}) has no values")
             assert not bad, f"{len(bad)} of {len(results)} queries failed:\n" + "\n".join(bad)
             # the screenshot generator draws every panel from these queries
-            from bench import dashboard_snapshots as snap  # noqa: PLC0415
+            from bench import dashboard_snapshots as snap
             drawn = snap.draw_all(snap.Data(base, start, time.time(), 1.0, "10s"), tmp_path)
             assert set(drawn) == set(DASHBOARD_NAMES)
             empty = [f"{d} / {p}" for d, panels in drawn.items() for p, n in panels.items() if not n]

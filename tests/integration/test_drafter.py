@@ -15,6 +15,7 @@ import pytest
 from common import models, protocol
 from common.launcher import Cluster
 from common.protocol import Sampling
+from common.runtime import PeerError
 from services.drafter.engine import DraftError, DraftModel
 from tests.conftest import PROMPTS
 
@@ -187,7 +188,7 @@ def test_service_streams_pauses_and_rolls_back(drafter_service, model, prompt):
         assert [m.start for m, _ in got] == list(range(P, P + 5))
         assert [m.token_ids[0] for m, _ in got] == [d.token for d in want[:5]]
         assert all(m.seq == 0 and m.seconds > 0 and len(m.probs) == 1 for m, _ in got)
-        with pytest.raises(Exception):          # paused at `until`: nothing more comes
+        with pytest.raises(PeerError):          # paused at `until`: nothing more comes
             await ch.recv(0.5)
         # roll back to 2 drafts + a different token, then draft 3 more in epoch 1
         other = (want[2].token + 7) % model.n_vocab

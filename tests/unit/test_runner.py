@@ -63,7 +63,7 @@ def assert_same_argmax(got, want):
     margins = (top2[:, 0] - top2[:, 1])[differ]
     assert (margins < NEAR_TIE).all(), f"top-1 differs at margins {margins.tolist()}"
     for m in margins.tolist():
-        warnings.warn(f"near-tie: top-1 differs at reference margin {m:.2e}")
+        warnings.warn(f"near-tie: top-1 differs at reference margin {m:.2e}", stacklevel=2)
 
 
 def greedy(runner, ids, n):
