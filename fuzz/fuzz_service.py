@@ -121,7 +121,7 @@ class Target:
             cfg_mod = importlib.import_module(f"services.{name}.config")
             svc_mod = importlib.import_module(f"services.{name}.service")
         cfg_cls = next(c for _, c in inspect.getmembers(cfg_mod, inspect.isclass)
-                       if issubclass(c, ServiceConfig) and c is not ServiceConfig)
+                       if issubclass(c, ServiceConfig) and c.__module__ == cfg_mod.__name__)
         svc_cls = next(c for _, c in inspect.getmembers(svc_mod, inspect.isclass)
                        if issubclass(c, Service) and c is not Service
                        and c.__module__ == svc_mod.__name__)
@@ -144,10 +144,9 @@ class Target:
 
     def state(self) -> str:
         """What a finding report needs: open sessions and background tasks."""
-        sessions = getattr(self.svc, "sessions", {})
+        sessions = [(s.sid, type(s).__name__, s.seq) for s in self.svc.sessions.values()]
         tasks = [(t.get_coro().__qualname__, t.done()) for t in list(self.svc._tasks)]
-        return (f"sessions={[(k, type(v).__name__, getattr(v, 'seq', None)) for k, v in sessions.items()]} "
-                f"tasks={tasks}")
+        return f"sessions={sessions} tasks={tasks}"
 
     def drain(self, wait_ms: int) -> list[dict]:
         out = []

@@ -17,7 +17,6 @@ Under CI (CI=true) a missing kubectl or kubernetes-validate fails; elsewhere it 
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import json
 import logging
@@ -94,14 +93,21 @@ def config_class(service: str):
 
 
 def fields_of(service: str) -> set[str]:
-    return {f.name for f in dataclasses.fields(config_class(service))}
+    """Its settings' flat names (a dispatcher section's fields as spec_r1, split_cut, ...)."""
+    from common.config import settings
+    return set(settings(config_class(service)))
 
 
 def is_field(var: str, service: str) -> bool:
-    names = fields_of(service)
+    """A setting of `service` (TANDEM_<FIELD>), or one scoped to a service that has it
+    (TANDEM_<SERVICE>_<FIELD>: a shared env block sets the drafter's model for every service, and
+    only the drafter reads it)."""
     bare = var.removeprefix("TANDEM_").lower()
-    scoped = var.removeprefix(f"TANDEM_{service.upper()}_").lower()
-    return bare in names or (var.startswith(f"TANDEM_{service.upper()}_") and scoped in names)
+    if bare in fields_of(service):
+        return True
+    return any(var.startswith(f"TANDEM_{s.upper()}_")
+               and var.removeprefix(f"TANDEM_{s.upper()}_").lower() in fields_of(s)
+               for s in {service, "dispatcher", "verifier", "drafter", "prefix", "suffix"})
 
 
 def container_env(overlay: str, c: dict) -> dict[str, str]:
