@@ -4,7 +4,8 @@ PipeSD and its baselines (DESIGN.md §3) on the same prompts, the same drafter a
 verifier, over an emulated WAN — measured so that a skeptic can accept the comparison (#13).
 
     tandem bench spec [--workload humaneval|mtbench|builtin] [--prompts N] [--quick] [--json PATH]
-                      [--scenario s1|s2|s3|s4|lan|none] [--drafter bundled|bundled-q4_1|PATH]
+                      [--scenario s1|s2|s3|s4|lan|none] [--model smollm2-135m|gemma3-270m]
+                      [--drafter bundled|bundled-q4_1|NAME|NAME-ideal|PATH]
                       [--max-tokens 128] [--repeats R] [--no-tune] [--tune-budget 16]
                       [--uplink 10,20,40,80] [--policies ...] [--seed 0]
 
@@ -102,12 +103,14 @@ class Link:
         self.thread.join(5)
 
 
-def reference_outputs(prompts: dict[str, list[int]], n: int) -> dict[str, list[int]]:
+def reference_outputs(prompts: dict[str, list[int]], n: int,
+                      target: str = "bundled") -> dict[str, list[int]]:
+    """transformers' own greedy continuation of each prompt (`target`: a model name or path)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from common import models
-    m = AutoModelForCausalLM.from_pretrained(str(models.resolve_target("bundled")),
+    m = AutoModelForCausalLM.from_pretrained(str(models.resolve_target(target)),
                                              dtype=torch.float32).eval()
     out = {}
     with torch.inference_mode(), warnings.catch_warnings():
@@ -148,11 +151,11 @@ class CpuQuota:
             self.dir.rmdir()
 
 
-def tokenizer():
+def tokenizer(target: str = "bundled"):
     from transformers import AutoTokenizer
 
     from common import models
-    return AutoTokenizer.from_pretrained(str(models.resolve_target("bundled")))
+    return AutoTokenizer.from_pretrained(str(models.resolve_target(target)))
 
 
 def encode_prompts(kinds: list[str]) -> dict[str, list[int]]:
@@ -165,15 +168,18 @@ def encode_prompts(kinds: list[str]) -> dict[str, list[int]]:
 
 @contextlib.contextmanager
 def spec_cluster(scenario: str, drafter: str, bo: bool = True, proactive_depth: int = 1,
-                 info: dict | None = None):
+                 info: dict | None = None, target: str = ""):
     """Verifier (cloud, core 1) behind the WAN emulator; drafter + dispatcher (edge, core 0).
     Yields (Client, Link or None, note); fills `info` when given: "pids" (service -> pid) and
-    "endpoint" (the dispatcher's, for more clients)."""
+    "endpoint" (the dispatcher's, for more clients). `target`: the model every service loads
+    (a name or a path, as TANDEM_TARGET); "" = the bundled one."""
+    from common import models
     from tandem import Client
     cores = os.cpu_count() or 1
     pin = {"drafter": [0], "dispatcher": [0], "verifier": [1 % cores]}
+    env = {"TANDEM_TARGET": str(models.resolve_target(target))} if target else {}
     cluster = Cluster(services=("verifier", "drafter", "dispatcher"), ephemeral=True, pin=pin,
-                      extra={"verifier": ["--threads", "1"],
+                      env=env, extra={"verifier": ["--threads", "1"],
                              "drafter": ["--threads", "1", "--drafter", drafter],
                              "dispatcher": ["--spec-bo", "true" if bo else "false",
                                             "--spec-proactive-depth", str(proactive_depth)]})
@@ -452,7 +458,10 @@ def main(argv=None) -> int:
                     help="CI size: 2 test prompts, 16 tokens, tuning budget 3 on 1 prompt each")
     ap.add_argument("--json", help="write results here")
     ap.add_argument("--scenario", default="s1", help="s1 | s2 | s3 | s4 | lan | none (loopback)")
-    ap.add_argument("--drafter", default="bundled", help="bundled (Q4_0) | bundled-q4_1 | GGUF path")
+    ap.add_argument("--model", default="", help="a named model (`tandem models list`), its "
+                    "prepared target and Q4_0 drafter; default: the bundled SmolLM2")
+    ap.add_argument("--drafter", default="", help="bundled (Q4_0) | bundled-q4_1 | NAME | "
+                    "NAME-ideal | GGUF path (default: the model's Q4_0 drafter)")
     ap.add_argument("--max-tokens", type=int, default=0, help="tokens per request (default 128)")
     ap.add_argument("--repeats", type=int, default=1, help="runs per test prompt and policy")
     ap.add_argument("--policies", default=",".join(POLICIES),
@@ -477,6 +486,15 @@ def main(argv=None) -> int:
     ap.add_argument("--proactive-depth", type=int, default=1,
                     help="proactive rounds in flight behind the active one (PipeSD: 1)")
     args = ap.parse_args(argv)
+    from common import models
+    try:
+        model = models.named(args.model).name
+        args.drafter = args.drafter or model
+        target_dir = models.resolve_target(model)
+        drafter_path = models.resolve_drafter(args.drafter)
+    except models.ModelError as e:
+        print(f"tandem bench spec: {e}", file=sys.stderr)
+        return 2
     n = args.max_tokens or (16 if args.quick else 128)
     budget = args.tune_budget or (3 if args.quick else 16)
     window = args.tune_window or (1 if args.quick else 4)
@@ -503,7 +521,7 @@ def main(argv=None) -> int:
     if args.quick:
         tune_set = tune_set[:max(1, window)]
     t_start = time.monotonic()
-    tok = tokenizer()
+    tok = tokenizer(model)
     test_ids = workloads.encode(test_set, tok)
     tune_ids = workloads.encode(tune_set, tok)
     test_names = list(test_ids)
@@ -511,16 +529,14 @@ def main(argv=None) -> int:
     print(f"# bench_spec: workload {args.workload}: {len(every)} prompts, split (seed {args.seed}) "
           f"into {len(tune_set)} tuning and {len(test_names)} measured test prompts "
           f"({'first ' + str(limit) + ' of the test set' if limit else 'the whole test set'}); "
-          f"{len(policies)} policies x {args.repeats} repeats, {n} tokens, drafter "
-          f"{args.drafter}; tuning: "
+          f"{len(policies)} policies x {args.repeats} repeats, {n} tokens, model {model}, "
+          f"drafter {args.drafter}; tuning: "
           + ("off (--no-tune: defaults)" if args.no_tune else
              f"{budget} BO evaluations x {window} tuning prompts for {knobbed}"), flush=True)
 
-    from common import models
-    ref = reference_outputs(test_ids, n)
-    drafter_path = models.resolve_drafter(args.drafter)
+    ref = reference_outputs(test_ids, n, model)
     matches = draft_matches(drafter_path, test_ids, ref)
-    verify_s = verify_curve(models.resolve_target("bundled"), test_ids[test_names[0]], most=32)
+    verify_s = verify_curve(target_dir, test_ids[test_names[0]], most=32)
     rtt = link_rtt_s(args.scenario)
     print(f"# bound inputs: drafter agrees with the reference on "
           f"{sum(map(sum, matches.values()))}/{sum(map(len, matches.values()))} positions; "
@@ -531,8 +547,9 @@ def main(argv=None) -> int:
     info: dict = {}
     tuned: dict[str, dict] = {}
     load_rows: list[dict] = []
-    with spec_cluster(args.scenario, args.drafter, bo=False,
-                      proactive_depth=args.proactive_depth, info=info) as (c, link, note):
+    with spec_cluster(args.scenario, str(drafter_path), bo=False,
+                      proactive_depth=args.proactive_depth, info=info,
+                      target=model) as (c, link, note):
         meter = Meter({k: v for k, v in info["pids"].items()})
         print(f"# link {note}; pinning: drafter+dispatcher on core 0, verifier on core 1, "
               f"1 thread each; {energy_note()}", flush=True)
@@ -645,7 +662,7 @@ def main(argv=None) -> int:
         print(f"# edge sessions one verifier core serves within {budget_ms:.1f} ms/token: {served}")
     print(f"# wall time {time.monotonic() - t_start:.0f} s")
     write_json(args.json, "spec", args.scenario, rows + load_rows,
-               link=note, drafter=args.drafter, max_tokens=n, repeats=args.repeats,
+               link=note, model=model, drafter=args.drafter, max_tokens=n, repeats=args.repeats,
                workload=args.workload, seed=args.seed, tuning_prompts=[p.name for p in tune_set],
                test_prompts=test_names, tuned=not args.no_tune, tune_budget=budget,
                tune_window=window, proactive_depth=args.proactive_depth,

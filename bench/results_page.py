@@ -62,7 +62,8 @@ def spec_workload_section(doc: dict, name: str) -> str:
               f"{doc.get('tune_window')} tuning prompts" if doc.get("tuned")
               else "every policy at its defaults (--no-tune)")
     lines = [f"### Speculative mode — `{name}` (workload `{doc.get('workload')}`, scenario "
-             f"`{doc.get('scenario')}`, drafter `{doc.get('drafter', 'bundled')}`)", "",
+             f"`{doc.get('scenario')}`, model `{doc.get('model', 'smollm2-135m')}`, drafter "
+             f"`{doc.get('drafter', 'bundled')}`)", "",
              f"{len(doc.get('test_prompts', []))} test prompts x {doc.get('repeats')} repeat(s), "
              f"{doc.get('max_tokens')} tokens each; {len(doc.get('tuning_prompts', []))} "
              f"held-apart tuning prompts; {tuning}. TPT is the mean over test prompts of each "

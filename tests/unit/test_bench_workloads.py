@@ -50,6 +50,13 @@ def test_missing_package_names_it(monkeypatch):
         workloads.load("nope")
 
 
+def test_bench_spec_names_the_known_models_for_an_unknown_one(capsys):
+    from bench import bench_spec
+    assert bench_spec.main(["--quick", "--model", "no-such-model"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown model 'no-such-model'" in err and "gemma3-270m" in err
+
+
 def test_builtin_prompts_encode(tokenizer):
     ids = workloads.encode(workloads.load("builtin"), tokenizer)
     assert set(ids) == {"builtin/plain", "builtin/chat", "builtin/code"}
