@@ -17,6 +17,10 @@ the table gives the median over reps with the spread (min-max), and ratios are t
                 each, vs the runner's 1-session decode: tokens/s ratio (goal >= 5x)
   verify k=8    one forward of 8 draft tokens with logits for all 8, then rollback, vs decoding
                 1 token: time ratio (goal <= 1.5x)
+  tree 32 vs chain 8   (#14) the verifier's forward for a 32-node token tree (depth 8: a main
+                path and 3 siblings at each depth; the root's token + 32 nodes, tree attention,
+                logits for all, then the accepted path kept by SessionKV.move_rows) vs for an
+                8-token chain (the root's token + 8, then truncate): time ratio (goal <= 1.3x)
   --gemm        the LM-head product (49152x576) by method and row count: why the runner uses
                 prepacked oneDNN weights (see common/runner.py)
 """
@@ -86,6 +90,53 @@ def decode_cases(runner, hf, ctx: int, steps: int):
 
     return {"hf_decode": hf_decode, "runner_decode": runner_decode, "batch8": batch8,
             "verify8": verify8}
+
+
+TREE_PARENTS = [x for d in range(8) for x in [d * 4 - 4 if d else -1] * 4]   # 8 deep, 4 wide
+
+
+def tree_vs_chain(runner, ctx: int, steps: int, reps: int) -> tuple[list[dict], dict]:
+    """Rows and samples of "tree 32 vs chain 8" (#14's runner goal), interleaved per rep."""
+    from common import tree
+
+    L = runner.num_layers
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(100, runner.vocab_size, (ctx + 33,), generator=gen)
+    kv = runner.new_kv()
+    runner.forward([Segment(kv, prompt[:ctx])], 0, L)
+    positions, ancestors = tree.attention(TREE_PARENTS)
+    keep = [ctx + 1 + i for i in tree.main_path(TREE_PARENTS)[:4]]
+
+    def chain8() -> float:
+        def run():
+            for _ in range(steps):
+                runner.forward([Segment(kv, prompt[ctx: ctx + 9], "all")], 0, L)
+                kv.truncate(ctx)
+        return _ms(run) / steps
+
+    def tree32() -> float:
+        def run():
+            for _ in range(steps):
+                runner.forward([Segment(kv, prompt[ctx: ctx + 33], "all", positions, ancestors)],
+                               0, L)
+                kv.move_rows(keep, ctx + 1)
+                kv.truncate(ctx)
+        return _ms(run) / steps
+
+    chain8(), tree32()   # warm-up
+    samples: dict[str, list[float]] = {"chain8": [], "tree32": []}
+    for _ in range(reps):
+        samples["chain8"].append(chain8())
+        samples["tree32"].append(tree32())
+    rows = []
+    for name, key in (("runner verify chain 8", "chain8"), ("runner verify tree 32", "tree32")):
+        x = summary(samples[key])
+        rows.append({"case": name, "median": x["median"], "min": x["min"], "max": x["max"],
+                     "unit": "ms/call", "goal": ""})
+    x = summary([t / c for c, t in zip(samples["chain8"], samples["tree32"])])
+    rows.append({"case": "verify tree 32 vs chain 8", "median": x["median"], "min": x["min"],
+                 "max": x["max"], "unit": "ratio", "goal": "<= 1.3"})
+    return rows, samples
 
 
 def gemm_table(reps: int) -> list[dict]:
@@ -167,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
         s = summary(xs)
         rows.append({"case": name, "median": s["median"], "min": s["min"], "max": s["max"],
                      "unit": "ratio", "goal": goal})
+    tree_rows, samples["tree_vs_chain"] = tree_vs_chain(runner, args.context, args.steps,
+                                                        args.reps)
+    rows += tree_rows
     print(f"LayerRangeRunner vs transformers: {threads} threads, context {args.context}, "
           f"{args.steps} steps/rep, {args.reps} reps, load average {load0:.1f} -> {load1:.1f}, "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}")
