@@ -36,9 +36,9 @@ class Driver:
             return True
         self.v.send = send
 
-    def send(self, msg: p.Msg) -> list:
+    def send(self, msg: p.Msg, buffers=()) -> list:
         n = len(self.out)
-        asyncio.run(self.v._dispatch(b"client", p.encode(msg)))
+        asyncio.run(self.v._dispatch(b"client", p.encode(msg, buffers)))
         return self.out[n:]
 
     def pump(self) -> list:
@@ -280,8 +280,64 @@ def test_streaming_sessions_refuse_trees(runner, tokenizer):
         (err,) = errors(d.send(p.DraftBatch(sid="a", round=1, start=len(ids), token_ids=[5, 6],
                                             parents=[-1, -1])))
         assert err.code == p.BAD_FIELD and err.field == "parents" and "stream" in err.message
-        d.send(p.DraftBatch(sid="a", round=1, start=len(ids), token_ids=[5]))   # chains still go
-        assert not errors(d.send(p.VerifyRequest(sid="a", round=1, end=len(ids) + 1)))
-        assert len(results(d.pump())) == 1
+        out = d.send(p.DraftBatch(sid="a", round=1, start=len(ids), token_ids=[5]))  # chains go
+        out += d.send(p.VerifyRequest(sid="a", round=1, end=len(ids) + 1))
+        out += d.pump()
+        assert not errors(out) and len({(r.round, r.token) for r in results(out)}) == 1
+    finally:
+        d.close()
+
+
+def test_sampling_chain_shaped_tree_draws_what_the_chain_draws(runner, hf_model, tokenizer,
+                                                               reference):
+    """Seeded sampling: a tree that is a chain (parents -1, 0, 1, ...) is verified by the same
+    acceptance tests and random streams as the chain round, so both give the same result; a
+    branching tree's result is a root path."""
+    import numpy as np
+
+    ids = tokenizer.encode(PROMPTS[0])
+    drafts = reference(ids, 4)
+    q_ids, q_probs = [], []
+    for j in range(4):
+        with torch.inference_mode():
+            probs = torch.softmax(hf_model(torch.tensor([ids + drafts[:j]])).logits[0, -1] / 0.8, -1)
+        top = torch.topk(probs, 8)
+        q_ids.append(top.indices.numpy())
+        q_probs.append((top.values / top.values.sum()).numpy())
+    q_ids, q_probs = np.stack(q_ids).astype(np.int32), np.stack(q_probs).astype(np.float32)
+    ref_i, buf_i = p.tensor_frame(q_ids, 0)
+    ref_p, buf_p = p.tensor_frame(q_probs, 1)
+    sampling = p.Sampling(temperature=0.8, seed=5)
+    d = Driver(runner)
+    try:
+        outcomes = []
+        for sid, parents in (("chain", None), ("tree", [-1, 0, 1, 2])):
+            open_spec(d, sid, ids, sampling=sampling)
+            out = d.send(p.DraftBatch(sid=sid, round=1, start=len(ids), token_ids=drafts,
+                                      q_ids=ref_i, q_probs=ref_p, parents=parents),
+                         [buf_i, buf_p])
+            out += d.send(p.VerifyRequest(sid=sid, round=1, end=len(ids) + 4,
+                                          nodes=0 if parents is None else 4))
+            assert not errors(out), errors(out)
+            (res,) = results(d.pump())
+            outcomes.append((res.accepted, res.token))
+            if parents is not None:
+                assert res.path == list(range(res.accepted))
+        assert outcomes[0] == outcomes[1]
+        # a branching sampled tree: siblings drawn from q without replacement share its row
+        sib = [int(q_ids[0, 1]), int(q_ids[0, 2])]
+        tokens, parents = [drafts[0], *sib, drafts[1]], [-1, -1, -1, 0]
+        rows = [0, 0, 0, 1]
+        ri, bi = p.tensor_frame(q_ids[rows], 0)
+        rp, bp = p.tensor_frame(q_probs[rows], 1)
+        open_spec(d, "branch", ids, sampling=sampling)
+        out = d.send(p.DraftBatch(sid="branch", round=1, start=len(ids), token_ids=tokens,
+                                  q_ids=ri, q_probs=rp, parents=parents), [bi, bp])
+        out += d.send(p.VerifyRequest(sid="branch", round=1, end=0, nodes=4))
+        assert not errors(out), errors(out)
+        (res,) = results(d.pump())
+        assert res.accepted == len(res.path)
+        if res.path:
+            assert res.path == tree.root_path(parents, res.path[-1])
     finally:
         d.close()
