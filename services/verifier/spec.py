@@ -28,8 +28,9 @@ Tree rounds (#14, services/verifier/spec_tree.py): a round whose batches carry `
 token tree, verified at its NAV in one forward over all its nodes; its result names the accepted
 path. Proactive rounds behind it (chains extending its main path) wait, as received, until it
 resolves, and are then taken as if they arrived after its result: kept only if the whole main
-path was accepted and the bonus equals their guess. Streaming verification does not cover tree
-rounds: a session opened with `stream` refuses them (bad_field).
+path was accepted and the bonus equals their guess. In a `stream` session a tree round is
+verified at its NAV too (no forward per batch, no early result): until the NAV a later batch
+may still add the child the target wants, so no node can be rejected early.
 
 Idempotency: a resent batch (same round, overlapping positions, same tokens) and a repeated NAV
 are answered from state; a result is never computed twice. A round the session never had, a gap
@@ -146,12 +147,16 @@ class SpecSession(EngineSession):
         t = self.tree
         if t.nodes is None or t.fed:
             return None
-        if self.kv.length() != self.C - 1:
-            raise RuntimeError(f"tree round {t.id}: cache holds {self.kv.length()} tokens, "
-                               f"expected {self.C - 1}")
-        positions, ancestors = t.attention()
+        fed = self.kv.length()
+        if fed == self.C and self.tail_pos == self.C:
+            lead = []     # a streaming session fed the root's token already: its row is the tail
+        elif fed == self.C - 1:
+            lead = [self.t_last]
+        else:
+            raise RuntimeError(f"tree round {t.id}: cache holds {fed} tokens, {self.C} committed")
+        positions, ancestors = t.attention(len(lead))
         t.fed = self.inflight = True
-        return Work([self.t_last, *t.tokens], "all", "verify", positions, ancestors)
+        return Work([*lead, *t.tokens], "all", "verify", positions, ancestors)
 
     def _feed_end(self) -> int:
         """Feed stream tokens at positions < this."""
@@ -262,6 +267,8 @@ class SpecSession(EngineSession):
         """Walk the verified tree, keep the accepted path's K/V, answer, then take the rounds
         that waited behind it."""
         t = self.tree
+        if rows.shape[0] == len(t.tokens):   # no root token fed: its row is the kept tail
+            rows = torch.cat((self.tail[None].to(rows.dtype), rows))
         path, token = t.walk(rows, self.sampling)
         self.kv.move_rows([t.start + i for i in path], t.start)   # root token at start - 1
         end = t.start + len(path)
@@ -319,10 +326,6 @@ class SpecSession(EngineSession):
 
     def _tree_batch(self, msg: protocol.DraftBatch, q_ids, q_probs) -> None:
         rid, t = msg.round, self.tree
-        if self.stream_verify:
-            raise ProtocolError(protocol.BAD_FIELD, "streaming verification does not cover tree "
-                                                    "rounds: open the session without `stream` "
-                                                    "to send trees", field="parents")
         if msg.parent != 0:
             raise ProtocolError(protocol.BAD_FIELD, f"round {rid}: a proactive round is a chain "
                                                     f"(no parents)", field="parents")

@@ -109,9 +109,10 @@ class TreeRound:
                                 field="nodes")
         self.nodes = nodes
 
-    def attention(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Segment positions / ancestors for [root token] + every node."""
-        return trees.attention(self.parents)
+    def attention(self, lead: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """Segment positions / ancestors for [root token] (lead = 1; 0 when the cache holds
+        it already) + every node."""
+        return trees.attention(self.parents, lead)
 
     def main_path(self) -> list[int]:
         return trees.main_path(self.parents)

@@ -3,7 +3,8 @@ object with the bundled SmolLM2 target, every message encoded, decoded and dispa
 service does (`_dispatch`), the engine stepped by hand. Trees are built from transformers' own
 top-k, reordered and cut so that some nodes match and some do not; greedy output must equal
 transformers' generate(do_sample=False). Bad trees get an Error with a stable code, and the
-session goes on; a tree batched beside another session's chain changes neither."""
+session goes on; a tree batched beside another session's chain changes neither; a streaming
+session verifies trees at the NAV."""
 
 from __future__ import annotations
 
@@ -272,18 +273,35 @@ def test_bad_trees_get_errors_and_the_session_goes_on(runner, hf_model, tokenize
         d.close()
 
 
-def test_streaming_sessions_refuse_trees(runner, tokenizer):
+def test_streaming_session_verifies_trees_at_the_nav(runner, hf_model, tokenizer, reference):
+    """A `stream` session has fed the root's token before the tree arrives; its tree rounds are
+    verified at the NAV from that row, with the same results as a non-streaming session's, and
+    its chain rounds still stream."""
     ids = tokenizer.encode(PROMPTS[0])
     d = Driver(runner)
     try:
-        open_spec(d, "a", ids, stream=True)
-        (err,) = errors(d.send(p.DraftBatch(sid="a", round=1, start=len(ids), token_ids=[5, 6],
-                                            parents=[-1, -1])))
-        assert err.code == p.BAD_FIELD and err.field == "parents" and "stream" in err.message
-        out = d.send(p.DraftBatch(sid="a", round=1, start=len(ids), token_ids=[5]))  # chains go
-        out += d.send(p.VerifyRequest(sid="a", round=1, end=len(ids) + 1))
+        for sid, stream in (("plain", False), ("stream", True)):
+            open_spec(d, sid, ids, stream=stream)
+        got = {"plain": list(ids), "stream": list(ids)}
+        for rnd in (1, 2, 3):
+            tokens, parents = build_tree(hf_model, got["plain"], rnd)
+            for sid in got:
+                fed = d.v.sessions[sid].kv.length() - len(got[sid])
+                assert fed == (0 if sid == "stream" else -1)   # streaming fed the root's token
+                out = tree_round(d, sid, rnd, len(got[sid]), tokens, parents)
+                out += d.pump()
+                assert not errors(out)
+                (res,) = results(out)
+                assert not res.early
+                got[sid] = commit(got[sid], res, tokens, parents)
+        assert got["plain"] == got["stream"]
+        out = d.send(p.DraftBatch(sid="stream", round=4, start=len(got["stream"]),
+                                  token_ids=[5, 6]))   # a chain: rejected at once, early
         out += d.pump()
-        assert not errors(out) and len({(r.round, r.token) for r in results(out)}) == 1
+        (res,) = results(out)
+        assert res.early
+        got["stream"] += [res.token]
+        assert got["stream"][len(ids):] == reference(ids, len(got["stream"]) - len(ids))
     finally:
         d.close()
 
