@@ -489,7 +489,7 @@ def _check_sizes(msg: Msg, limits: Limits) -> None:
                                 f"{name} has {len(value)} entries > limit {limits.max_tokens} "
                                 f"(max_tokens)", field=name)
     parents = getattr(msg, "parents", None)
-    if parents is not None:
+    if parents is not None and hasattr(msg, "token_ids"):   # DraftBatch, DraftTokens
         check_parents(parents, msg.token_ids, getattr(msg, "first_node", 0))
 
 
