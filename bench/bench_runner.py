@@ -17,10 +17,6 @@ the table gives the median over reps with the spread (min-max), and ratios are t
                 each, vs the runner's 1-session decode: tokens/s ratio (goal >= 5x)
   verify k=8    one forward of 8 draft tokens with logits for all 8, then rollback, vs decoding
                 1 token: time ratio (goal <= 1.5x)
-  tree 32 vs chain 8   (#14) the verifier's forward for a 32-node token tree (depth 8: a main
-                path and 3 siblings at each depth; the root's token + 32 nodes, tree attention,
-                logits for all, then the accepted path kept by SessionKV.move_rows) vs for an
-                8-token chain (the root's token + 8, then truncate): time ratio (goal <= 1.3x)
   --gemm        the LM-head product (49152x576) by method and row count: why the runner uses
                 prepacked oneDNN weights (see common/runner.py)
 """
@@ -96,7 +92,11 @@ TREE_PARENTS = [x for d in range(8) for x in [d * 4 - 4 if d else -1] * 4]   # 8
 
 
 def tree_vs_chain(runner, ctx: int, steps: int, reps: int) -> tuple[list[dict], dict]:
-    """Rows and samples of "tree 32 vs chain 8" (#14's runner goal), interleaved per rep."""
+    """Rows and samples of "tree 32 vs chain 8" (#14's runner goal): the verifier's forward for
+    a 32-node token tree (depth 8: a main path and 3 siblings at each depth; the root's token +
+    32 nodes with tree attention, logits for all, then the accepted path kept by
+    SessionKV.move_rows) vs for an 8-token chain (the root's token + 8, then truncate), time
+    ratio per rep (goal <= 1.3x). Chain and tree alternate within each rep."""
     from common import tree
 
     L = runner.num_layers
@@ -218,9 +218,6 @@ def main(argv: list[str] | None = None) -> int:
         s = summary(xs)
         rows.append({"case": name, "median": s["median"], "min": s["min"], "max": s["max"],
                      "unit": "ratio", "goal": goal})
-    tree_rows, samples["tree_vs_chain"] = tree_vs_chain(runner, args.context, args.steps,
-                                                        args.reps)
-    rows += tree_rows
     print(f"LayerRangeRunner vs transformers: {threads} threads, context {args.context}, "
           f"{args.steps} steps/rep, {args.reps} reps, load average {load0:.1f} -> {load1:.1f}, "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}")
@@ -231,6 +228,12 @@ def main(argv: list[str] | None = None) -> int:
         gemm = gemm_table(max(args.reps, 5))
         print(f"\nLM head 49152x576, median ms over {max(args.reps, 5)} reps, {threads} threads")
         print(table(gemm, [(k, k) for k in gemm[0]]))
+    tree_rows, samples["tree_vs_chain"] = tree_vs_chain(runner, args.context, args.steps,
+                                                        args.reps)
+    print(f"\ntoken tree verify (#14): {args.steps} calls/rep, {args.reps} reps")
+    print(table(tree_rows, [("case", "case"), ("median", "median"), ("min", "min"),
+                            ("max", "max"), ("unit", "unit"), ("goal", "goal")]))
+    rows += tree_rows
     write_json(args.json, "runner", f"context{args.context}", rows, gemm=gemm,
                samples=samples, threads=threads)
     return 0
