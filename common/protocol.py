@@ -482,7 +482,13 @@ def check(msg: Msg) -> Msg:
 
 
 def _check_sizes(msg: Msg, limits: Limits) -> None:
-    for name in ("token_ids", "probs", "append", "parents", "path"):
+    for name in ("token_ids", "probs", "append"):
+        value = getattr(msg, name, None)
+        if value is not None and len(value) > limits.max_tokens:
+            raise ProtocolError(TOO_LARGE,
+                                f"{name} has {len(value)} entries > limit {limits.max_tokens} "
+                                f"(max_tokens)", field=name)
+    for name in ("parents", "path"):      # token trees (#14): one entry per node
         value = getattr(msg, name, None)
         if value is not None and len(value) > limits.max_tokens:
             raise ProtocolError(TOO_LARGE,
