@@ -103,6 +103,10 @@ class SpecSession(EngineSession):
         self.feed_from = 0
 
     # --- engine loop ------------------------------------------------------------------------------
+    @property
+    def prefilling(self) -> bool:
+        return bool(self.prefill)
+
     def next_work(self, budget: int) -> Work | None:
         if self.closed:
             return None
