@@ -17,6 +17,8 @@ the table gives the median over reps with the spread (min-max), and ratios are t
                 each, vs the runner's 1-session decode: tokens/s ratio (goal >= 6x, #20)
   verify k=8    one forward of 8 draft tokens with logits for all 8, then rollback, vs decoding
                 1 token: time ratio (goal <= 1.2x, #20)
+  rows packed   decode with every product through the prepacked weights (row_weights=never),
+                shown when the runner chose plain weights for one-row products at load
   prefill 512   one 512-token prompt into an empty cache (logits for the last token)
   --gemm        the LM-head product (49152x576) by method and row count: why the runner uses
                 prepacked oneDNN weights (see common/runner.py)
@@ -175,6 +177,10 @@ def main(argv: list[str] | None = None) -> int:
     runner = LayerRangeRunner(path)
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     cases = decode_cases(runner, hf, args.context, args.steps)
+    if runner._row_w:   # the one-row path was chosen at load: time the packed path beside it
+        packed = LayerRangeRunner(path, row_weights="never")
+        cases["runner_decode_packed"] = decode_cases(packed, hf, args.context,
+                                                     args.steps)["runner_decode"]
     step_bytes = runner_limits.weight_bytes(runner)
     limits = {"weight_bytes": step_bytes}
     if not args.no_limits:
@@ -207,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     ratios = {
         "decode runner/transformers": (per_rep(lambda h, r: r / h, "hf_decode", "runner_decode"),
                                        "<= 1.05"),
+        "decode one-row path/packed": (per_rep(lambda r, p: r / p, "runner_decode",
+                                               "runner_decode_packed"), ""),
         "decode runner/floor": (per_rep(lambda r, f: r / f, "runner_decode", "floor"), "<= 1.2"),
         "decode runner/llama.cpp": (per_rep(lambda r, c: r / c, "runner_decode", "llama_decode"),
                                     "<= 1.1"),
@@ -221,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name, key, unit in (("transformers decode", "hf_decode", "ms/token"),
                             ("runner decode", "runner_decode", "ms/token"),
+                            ("runner decode, rows packed", "runner_decode_packed", "ms/token"),
                             ("llama.cpp F32 decode", "llama_decode", "ms/token"),
                             ("bandwidth floor", "floor", "ms/token"),
                             ("GEMV bandwidth", "gemv", "GB/s"),
