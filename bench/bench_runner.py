@@ -2,6 +2,7 @@
 
     python -m bench.bench_runner [--reps N] [--steps N] [--context N] [--threads N] [--gemm]
                                  [--target DIR|GGUF|NAME] [--quick] [--no-limits] [--json PATH]
+                                 [--row-weights auto|always|never]
 
 On cores shared with other busy processes, OpenMP's default spin-waiting makes every parallel
 region wait on descheduled threads (5-10x slower steps measured at load 7 on 2 cores); set
@@ -160,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", default=None, help="HF target dir, a GGUF (dequantised once) or a "
                     "named model such as gemma3-270m (default: the bundled SmolLM2)")
     ap.add_argument("--gemm", action="store_true", help="also time the LM-head GEMM methods")
+    ap.add_argument("--row-weights", choices=("auto", "always", "never"), default="auto",
+                    help="the runner's one-row path (common/runner.py): auto times it at load")
     ap.add_argument("--no-limits", action="store_true", help="leave out the GEMV bandwidth "
                     "floor and the llama.cpp F32 anchor")
     ap.add_argument("--quick", action="store_true", help="3 reps, 8 steps")
@@ -174,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM
 
     path = resolve_target(args.target)
-    runner = LayerRangeRunner(path)
+    runner = LayerRangeRunner(path, row_weights=args.row_weights)
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     cases = decode_cases(runner, hf, args.context, args.steps)
     if runner._row_w:   # the one-row path was chosen at load: time the packed path beside it
@@ -251,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
                      "unit": "ratio", "goal": goal})
     print(f"LayerRangeRunner vs transformers and its limits: {threads} threads, context "
           f"{args.context}, {args.steps} steps/rep, {args.reps} reps, weights "
-          f"{step_bytes / 1e6:.0f} MB/step, load average {load0:.1f} -> {load1:.1f}, "
+          f"{step_bytes / 1e6:.0f} MB/step, one-row path {'on' if runner._row_w else 'off'}, "
+          f"load average {load0:.1f} -> {load1:.1f}, "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}")
     print(table(rows, [("case", "case"), ("median", "median"), ("min", "min"), ("max", "max"),
                        ("unit", "unit"), ("goal", "goal")]))
@@ -261,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nLM head 49152x576, median ms over {max(args.reps, 5)} reps, {threads} threads")
         print(table(gemm, [(k, k) for k in gemm[0]]))
     write_json(args.json, "runner", f"context{args.context}", rows, gemm=gemm,
-               samples=samples, threads=threads, limits=limits)
+               samples=samples, threads=threads, limits=limits,
+               row_path=bool(runner._row_w), row_timing=getattr(runner, "row_timing", None))
     return 0
 
 

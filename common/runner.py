@@ -333,7 +333,7 @@ class LayerRangeRunner:
         self._fused_norm = self._fused_norm_exact()
 
     def _plain_rows_faster(self) -> bool:
-        """Time one row through every layer product, packed vs plain (interleaved, best of 5):
+        """Time one row through every layer product, packed vs plain (interleaved, best of 7):
         whether the plain weights (MKL's gemv) are clearly faster on this CPU."""
         import time
 
@@ -343,7 +343,7 @@ class LayerRangeRunner:
         xs = {w.shape[1]: torch.randn(1, w.shape[1], dtype=self.dtype) for _, w in pairs}
         best = {"packed": float("inf"), "plain": float("inf")}
         with torch.inference_mode():
-            for _ in range(5):
+            for _ in range(7):
                 for kind in best:
                     t = time.perf_counter()
                     for pk, w in pairs:

@@ -26,13 +26,13 @@ def test_one_row_path_matches_transformers_and_the_packed_path(runners, hf_model
     assert always._row_w and not never._row_w
     cache = DynamicCache(config=hf_model.config)
     with torch.inference_mode():
-        hf_model(torch.tensor([ids[:-3]]), past_key_values=cache, use_cache=True)
+        hf_model(torch.tensor([ids[:-3]]), cache=cache, use_cache=True)
     kvs = {k: r.new_kv() for k, r in runners.items()}
     for k, r in runners.items():
         r.forward([Segment(kvs[k], torch.tensor(ids[:-3]))], 0, L)
     for t in ids[-3:]:   # one token a step: the one-row products
         with torch.inference_mode():
-            want = hf_model(torch.tensor([[t]]), past_key_values=cache, use_cache=True).logits[0]
+            want = hf_model(torch.tensor([[t]]), cache=cache, use_cache=True).logits[0]
         got = {k: r.forward([Segment(kvs[k], torch.tensor([t]))], 0, L)[0]
                for k, r in runners.items()}
         for k, g in got.items():
