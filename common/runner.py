@@ -40,7 +40,9 @@ decoder projections (at most 7 MB) show the same pattern at 8 rows (gate/up 0.27
 One row (decode). The blocked layout tuned for 8 rows is not the fastest gemv on every CPU: on
 the 2-core Intel Xeon this project later ran on, one row through all 120 layer products of
 SmolLM2 took 25 ms prepacked vs 17 ms as MKL's F.linear on the plain weights (while 8 rows took
-30 ms prepacked vs 39 ms plain), and on the AMD EPYC above MKL's one-row path is the slow one.
+30 ms prepacked vs 39 ms plain; a one-off timing of the products alone, #20), and a whole decode
+step 0.85x the time (`tandem bench runner --row-weights always`: "decode one-row path/packed");
+on the AMD EPYC above, MKL's one-row path is the slow one.
 So the runner times both on its own layer weights at load (`row_weights="auto"`, ~0.2 s) and,
 where the plain gemv is clearly faster, keeps a plain copy of each layer matrix for one-row
 products (the LM head stays packed: oneDNN streams it at full bandwidth on both CPUs). The copy
