@@ -1,7 +1,8 @@
 """LayerRangeRunner against transformers on the same threads, ragged batching, k-token verify.
 
     python -m bench.bench_runner [--reps N] [--steps N] [--context N] [--threads N] [--gemm]
-                                 [--target DIR|GGUF|NAME] [--quick] [--json PATH]
+                                 [--target DIR|GGUF|NAME] [--quick] [--no-limits] [--json PATH]
+                                 [--row-weights auto|always|never]
 
 On cores shared with other busy processes, OpenMP's default spin-waiting makes every parallel
 region wait on descheduled threads (5-10x slower steps measured at load 7 on 2 cores); set
@@ -14,25 +15,41 @@ the table gives the median over reps with the spread (min-max), and ratios are t
   decode        ms per token, one session decoding `steps` tokens after a `context`-token
                 prompt: transformers' own forward with DynamicCache vs the runner (goal <= 1.05x)
   batch x8      one ragged step of 8 sessions (contexts context .. context+21), one new token
-                each, vs the runner's 1-session decode: tokens/s ratio (goal >= 5x)
+                each, vs the runner's 1-session decode: tokens/s ratio (goal >= 6x, #20)
   verify k=8    one forward of 8 draft tokens with logits for all 8, then rollback, vs decoding
-                1 token: time ratio (goal <= 1.5x)
+                1 token: time ratio (goal <= 1.2x, #20)
+  rows packed   decode with every product through the prepacked weights (row_weights=never),
+                shown when the runner chose plain weights for one-row products at load
+  prefill 512   one 512-token prompt into an empty cache (logits for the last token)
   --gemm        the LM-head product (49152x576) by method and row count: why the runner uses
                 prepacked oneDNN weights (see common/runner.py)
+
+The limits, measured in the same interleaved reps (bench/runner_limits.py, issue #20):
+  gemv          the machine's GEMV bandwidth (torch.mv over an fp32 matrix the size of the
+                model's weights); floor = the bytes a decode step streams / that bandwidth
+  llama.cpp     the same weights as an ALL_F32 GGUF (llama.cpp's quantize of the source GGUF,
+                made once next to the target), `steps` tokens after a `context`-token prompt,
+                and a 512-token prompt evaluation, on the same threads
+Ratios (per rep, then the median): runner/floor, runner/llama.cpp decode (goals <= 1.2, <= 1.1),
+prefill runner/llama.cpp (goal <= 1.2), batch x8 tokens/s vs x1 (>= 6), verify k=8 vs decode
+(<= 1.2). `--no-limits` leaves the limits out (a target with no source GGUF has no anchor).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
+from bench import runner_limits
 from bench.report import summary, table, write_json
-from common.models import resolve_target
+from common.models import models_dir, resolve_target
 from common.runner import PACK_ROWS, LayerRangeRunner, Segment
 
 
@@ -84,8 +101,27 @@ def decode_cases(runner, hf, ctx: int, steps: int):
         kv1.truncate(ctx)
         return _ms(run) / steps
 
+    prompt512 = torch.randint(100, runner.vocab_size, (PREFILL_TOKENS,), generator=gen)
+    kvp = runner.new_kv()
+
+    def prefill() -> float:
+        kvp.truncate(0)
+        return _ms(lambda: runner.forward([Segment(kvp, prompt512)], 0, L))
+
     return {"hf_decode": hf_decode, "runner_decode": runner_decode, "batch8": batch8,
-            "verify8": verify8}
+            "verify8": verify8, "runner_prefill": prefill}
+
+
+PREFILL_TOKENS = 512
+
+
+def source_gguf(target: Path) -> str | None:
+    """The GGUF a prepared target was dequantised from (its tandem.json), else None."""
+    meta = target / "tandem.json"
+    if not meta.is_file():
+        return None
+    src = json.loads(meta.read_text()).get("source_gguf")
+    return None if src is None or not os.path.isfile(src) else src
 
 
 TREE_PARENTS = [x for d in range(8) for x in [d * 4 - 4 if d else -1] * 4]   # 8 deep, 4 wide
@@ -184,12 +220,17 @@ def gemm_table(reps: int) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="bench_runner", description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--steps", type=int, default=16, help="decode tokens (or verify calls) per rep")
+    ap.add_argument("--steps", type=int, default=32, help="decode tokens (or verify calls) per "
+                    "rep, for the runner, transformers and llama.cpp alike")
     ap.add_argument("--context", type=int, default=128, help="prompt tokens before decoding")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--target", default=None, help="HF target dir, a GGUF (dequantised once) or a "
                     "named model such as gemma3-270m (default: the bundled SmolLM2)")
     ap.add_argument("--gemm", action="store_true", help="also time the LM-head GEMM methods")
+    ap.add_argument("--row-weights", choices=("auto", "always", "never"), default="auto",
+                    help="the runner's one-row path (common/runner.py): auto times it at load")
+    ap.add_argument("--no-limits", action="store_true", help="leave out the GEMV bandwidth "
+                    "floor and the llama.cpp F32 anchor")
     ap.add_argument("--quick", action="store_true", help="3 reps, 8 steps")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -202,9 +243,25 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM
 
     path = resolve_target(args.target)
-    runner = LayerRangeRunner(path)
+    runner = LayerRangeRunner(path, row_weights=args.row_weights)
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     cases = decode_cases(runner, hf, args.context, args.steps)
+    if runner._row_w:   # the one-row path was chosen at load: time the packed path beside it
+        packed = LayerRangeRunner(path, row_weights="never")
+        cases["runner_decode_packed"] = decode_cases(packed, hf, args.context,
+                                                     args.steps)["runner_decode"]
+    step_bytes = runner_limits.weight_bytes(runner)
+    limits = {"weight_bytes": step_bytes}
+    if not args.no_limits:
+        src = source_gguf(path)
+        if src is None:
+            print(f"no llama.cpp anchor: {path} has no source GGUF (tandem.json)")
+        else:
+            f32 = runner_limits.f32_gguf(Path(src), models_dir() / (Path(src).stem + ".ALL_F32.gguf"))
+            limits["llama_gguf"] = str(f32)
+            cases.update(runner_limits.llama_cases(f32, threads, args.context, args.steps,
+                                                   PREFILL_TOKENS, runner.vocab_size))
+        cases["gemv"] = runner_limits.gemv_case(step_bytes)
     load0 = os.getloadavg()[0]
     for f in cases.values():  # warm-up
         f()
@@ -214,27 +271,57 @@ def main(argv: list[str] | None = None) -> int:
             samples[k].append(f())
     load1 = os.getloadavg()[0]
 
-    pairs = list(zip(samples["hf_decode"], samples["runner_decode"], samples["batch8"],
-                     samples["verify8"]))
+    def per_rep(f, *keys):
+        """f applied rep by rep to the named cases' paired samples (None if one is absent)."""
+        if not all(k in samples for k in keys):
+            return None
+        return [f(*xs) for xs in zip(*(samples[k] for k in keys))]
+
+    if "gemv" in samples:
+        samples["floor"] = [step_bytes / bw * 1e3 for bw in samples["gemv"]]  # ms per token
     ratios = {
-        "decode runner/transformers": ([r / h for h, r, _, _ in pairs], "<= 1.05"),
-        "batch x8 tokens/s vs x1": ([8 * r / b for _, r, b, _ in pairs], ">= 5"),
-        "verify k=8 time vs decode 1": ([v / r for _, r, _, v in pairs], "<= 1.5"),
+        "decode runner/transformers": (per_rep(lambda h, r: r / h, "hf_decode", "runner_decode"),
+                                       "<= 1.05"),
+        "decode one-row path/packed": (per_rep(lambda r, p: r / p, "runner_decode",
+                                               "runner_decode_packed"), ""),
+        "decode runner/floor": (per_rep(lambda r, f: r / f, "runner_decode", "floor"), "<= 1.2"),
+        "decode runner/llama.cpp": (per_rep(lambda r, c: r / c, "runner_decode", "llama_decode"),
+                                    "<= 1.1"),
+        "decode llama.cpp/floor": (per_rep(lambda c, f: c / f, "llama_decode", "floor"), ""),
+        "batch x8 tokens/s vs x1": (per_rep(lambda r, b: 8 * r / b, "runner_decode", "batch8"),
+                                    ">= 6"),
+        "verify k=8 time vs decode 1": (per_rep(lambda r, v: v / r, "runner_decode", "verify8"),
+                                        "<= 1.2"),
+        f"prefill {PREFILL_TOKENS} runner/llama.cpp": (
+            per_rep(lambda r, c: r / c, "runner_prefill", "llama_prompt"), "<= 1.2"),
     }
     rows = []
     for name, key, unit in (("transformers decode", "hf_decode", "ms/token"),
                             ("runner decode", "runner_decode", "ms/token"),
+                            ("runner decode, rows packed", "runner_decode_packed", "ms/token"),
+                            ("llama.cpp F32 decode", "llama_decode", "ms/token"),
+                            ("bandwidth floor", "floor", "ms/token"),
+                            ("GEMV bandwidth", "gemv", "GB/s"),
                             ("runner batch x8 decode", "batch8", "ms/step (8 tokens)"),
-                            ("runner verify k=8", "verify8", "ms/call (8 tokens)")):
-        s = summary(samples[key])
+                            ("runner verify k=8", "verify8", "ms/call (8 tokens)"),
+                            (f"runner prefill {PREFILL_TOKENS}", "runner_prefill", "ms"),
+                            (f"llama.cpp F32 prompt {PREFILL_TOKENS}", "llama_prompt", "ms")):
+        if key not in samples:
+            continue
+        xs = [x / 1e9 for x in samples[key]] if key == "gemv" else samples[key]
+        s = summary(xs)
         rows.append({"case": name, "median": s["median"], "min": s["min"], "max": s["max"],
                      "unit": unit, "goal": ""})
     for name, (xs, goal) in ratios.items():
+        if xs is None:
+            continue
         s = summary(xs)
         rows.append({"case": name, "median": s["median"], "min": s["min"], "max": s["max"],
                      "unit": "ratio", "goal": goal})
-    print(f"LayerRangeRunner vs transformers: {threads} threads, context {args.context}, "
-          f"{args.steps} steps/rep, {args.reps} reps, load average {load0:.1f} -> {load1:.1f}, "
+    print(f"LayerRangeRunner vs transformers and its limits: {threads} threads, context "
+          f"{args.context}, {args.steps} steps/rep, {args.reps} reps, weights "
+          f"{step_bytes / 1e6:.0f} MB/step, one-row path {'on' if runner._row_w else 'off'}, "
+          f"load average {load0:.1f} -> {load1:.1f}, "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}")
     print(table(rows, [("case", "case"), ("median", "median"), ("min", "min"), ("max", "max"),
                        ("unit", "unit"), ("goal", "goal")]))
@@ -250,7 +337,8 @@ def main(argv: list[str] | None = None) -> int:
                             ("max", "max"), ("unit", "unit"), ("goal", "goal")]))
     rows += tree_rows
     write_json(args.json, "runner", f"context{args.context}", rows, gemm=gemm,
-               samples=samples, threads=threads)
+               samples=samples, threads=threads, limits=limits,
+               row_path=bool(runner._row_w), row_timing=getattr(runner, "row_timing", None))
     return 0
 
 

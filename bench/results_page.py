@@ -329,7 +329,10 @@ def runner_section(doc: dict, name: str) -> str:
     lines = [f"### LayerRangeRunner against transformers — `{name}` ({doc.get('threads')} threads, "
              f"scenario `{doc.get('scenario')}`)", "",
              "Median over reps with the range; ratios taken per rep (paired). Goals from the "
-             "foundation issue.", ""]
+             "foundation issue and #20. Where the run measured its limits (bench/runner_limits.py)"
+             ": the bandwidth floor is the bytes a decode step streams over the GEMV bandwidth "
+             "measured in the same reps, and llama.cpp runs the same weights as an ALL_F32 GGUF.",
+             ""]
     lines.append(_md_table([[r["case"], r["median"], r["min"], r["max"], r["unit"], r["goal"]]
                             for r in doc["results"]],
                            ["case", "median", "min", "max", "unit", "goal"]))

@@ -37,6 +37,17 @@ features. Prepacking the weight once (hint: 8 rows) also removes oneDNN's per-ca
 decoder projections (at most 7 MB) show the same pattern at 8 rows (gate/up 0.27 ms MKL vs
 0.08 ms prepacked oneDNN), so every projection is prepacked.
 
+One row (decode). The blocked layout tuned for 8 rows is not the fastest gemv on every CPU: on
+the 2-core Intel Xeon this project later ran on, one row through all 120 layer products of
+SmolLM2 took 25 ms prepacked vs 17 ms as MKL's F.linear on the plain weights (while 8 rows took
+30 ms prepacked vs 39 ms plain; a one-off timing of the products alone, #20), and a whole decode
+step 0.85x the time (`tandem bench runner --row-weights always`: "decode one-row path/packed");
+on the AMD EPYC above, MKL's one-row path is the slow one.
+So the runner times both on its own layer weights at load (`row_weights="auto"`, ~0.2 s) and,
+where the plain gemv is clearly faster, keeps a plain copy of each layer matrix for one-row
+products (the LM head stays packed: oneDNN streams it at full bandwidth on both CPUs). The copy
+costs the layer weights' memory once more; `row_weights="never"` trades the speed back for it.
+
 Devices. `device="cuda"` (or "cuda:N") puts the weights, the KV caches and the RoPE tables on
 that GPU and runs every product as plain F.linear (the oneDNN prepacking above is CPU-only);
 inputs may be CPU tensors and outputs come back on the CPU, so callers (the services, the suffix
@@ -205,11 +216,15 @@ class LayerRangeRunner:
     The layer is exposed as public steps, which forward() composes and which the suffix's padded
     executor (services/suffix/executor.py) reuses over its padded batch so both compute the same
     layer: `rope_rows`, `attention_inputs`, `attend`, `layer_output`, `logits`, plus
-    `window(layer)` for sliding-window layers."""
+    `window(layer)` for sliding-window layers.
+
+    `row_weights`: "auto" (time packed vs plain one-row products at load and keep plain copies
+    of the layer matrices if plain is clearly faster), "always" or "never"; CPU prepack only."""
 
     def __init__(self, model_dir: str | Path, layers: tuple[int, int] | None = None,
                  dtype: torch.dtype = torch.float32, threads: int | None = None,
-                 prepack: bool = True, device: str | torch.device = "cpu"):
+                 prepack: bool = True, device: str | torch.device = "cpu",
+                 row_weights: str = "auto"):
         model_dir = Path(model_dir)
         self.device = resolve_device(device)
         raw = json.loads((model_dir / "config.json").read_text())
@@ -246,6 +261,16 @@ class LayerRangeRunner:
             torch.backends.mkldnn.is_available()) and (
             dtype == torch.float32
             or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+
+        if row_weights not in ("auto", "always", "never"):
+            raise ValueError(f"row_weights must be auto, always or never, got {row_weights!r}")
+        # packed weight (by id) -> its plain copy for one-row products ('One row', module doc)
+        self._row_w: dict[int, torch.Tensor] = {}
+        # (packed, plain) of the layer products while loading, when a row path may be chosen
+        self._plain: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._keep_plain = self.prepack and row_weights != "never"
+        # RMSNorm as one fused op where it gives transformers' bits (checked at load)
+        self._fused_norm = False
 
         # RoPE kind -> (inv_freq, scale) and its cos/sin tables by position, grown on demand
         self.rope = rope_kinds(cfg, self.head_dim)
@@ -317,25 +342,80 @@ class LayerRangeRunner:
         if self.hi == L:
             self.norm_w = norm("model.norm.weight")
             tied = cfg.tie_word_embeddings or "lm_head.weight" not in index
+            # the LM head stays packed only: oneDNN streams it at full bandwidth for one row on
+            # every CPU measured, and a plain copy would cost as much memory as the embeddings
+            self._keep_plain, keep = False, self._keep_plain
             self.lm_head = self._pack(get("model.embed_tokens.weight" if tied else "lm_head.weight"))
+            self._keep_plain = keep
         else:
             self.norm_w = self.lm_head = None
         handles.clear()
+        if self.prepack and row_weights != "never":
+            if row_weights == "always" or self._plain_rows_faster():
+                self._row_w = {id(pk): w for pk, w in self._plain}
+        self._plain = []
+        self._fused_norm = self._fused_norm_exact()
+
+    def _plain_rows_faster(self) -> bool:
+        """Time one row through every layer product, packed vs plain (interleaved, best of 7):
+        whether the plain weights (MKL's gemv) are clearly faster on this CPU."""
+        import time
+
+        pairs = self._plain
+        if not pairs:
+            return False
+        xs = {w.shape[1]: torch.randn(1, w.shape[1], dtype=self.dtype) for _, w in pairs}
+        best = {"packed": float("inf"), "plain": float("inf")}
+        with torch.inference_mode():
+            for _ in range(7):
+                for kind in best:
+                    t = time.perf_counter()
+                    for pk, w in pairs:
+                        x = xs[w.shape[1]]
+                        if kind == "packed":
+                            torch.ops.mkldnn._linear_pointwise(x, pk, None, "none", [], "")
+                        else:
+                            F.linear(x, w)
+                    best[kind] = min(best[kind], time.perf_counter() - t)
+        self.row_timing = best
+        return best["plain"] < 0.85 * best["packed"]
+
+    def _fused_norm_exact(self) -> bool:
+        """Whether torch's fused F.rms_norm gives this runner's rms_norm bit for bit (Llama-style
+        norms in float32 only; Gemma's 1 + w and lower precisions keep the spelled-out ops)."""
+        if self.gemma_norm or self.dtype != torch.float32:
+            return False
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(17, self.hidden_size, generator=g, dtype=self.dtype) * 3
+        w = torch.randn(self.hidden_size, generator=g, dtype=self.dtype).to(self.device)
+        x = x.to(self.device)
+        ref = rms_norm(x, w, self.eps)
+        return torch.equal(F.rms_norm(x, (x.shape[-1],), w, self.eps), ref)
 
     # -- products ---------------------------------------------------------------------------
     def _pack(self, w: torch.Tensor) -> torch.Tensor:
         if self.prepack:
-            return torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS)
+            pk = torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS)
+            if self._keep_plain:
+                self._plain.append((pk, w.contiguous()))
+            return pk
         return w.contiguous()
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-        """x @ w.T (+ b) with a weight as stored by this runner (prepacked for oneDNN on CPU)."""
+        """x @ w.T (+ b) with a weight as stored by this runner (prepacked for oneDNN on CPU;
+        one row through the plain copy where this CPU's gemv is faster: 'One row', module doc)."""
         if self.prepack:
+            if x.shape[0] == 1 and self._row_w:
+                plain = self._row_w.get(id(w))
+                if plain is not None:
+                    return F.linear(x, plain, b)
             return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
         return F.linear(x, w, b)
 
     def norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """This family's RMSNorm with a weight as stored by this runner."""
+        if self._fused_norm:
+            return F.rms_norm(x, (x.shape[-1],), w, self.eps)
         return rms_norm(x, w, self.eps, self.gemma_norm)
 
     # -- public API -------------------------------------------------------------------------
@@ -541,7 +621,8 @@ class LayerRangeRunner:
                 buf[1, :, p: p + n] = v[:, o: o + n]
                 outs.append(self.attend(q[:, :, o: o + n], buf[0:1, :, first: p + n],
                                         buf[1:2, :, first: p + n], mask))
-            att = torch.cat(outs, dim=2)[0].transpose(0, 1).reshape(T, nh * hd)
+            att = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+            att = att[0].transpose(0, 1).reshape(T, nh * hd)
             x = self.layer_output(layer, x, att)
         for s, p, n in zip(segments, starts, sizes):
             s.kv.lens[a - s.kv.lo: b - s.kv.lo] = [p + n] * (b - a)

@@ -36,6 +36,12 @@ class EngineSession(Session):
     def next_work(self, budget: int) -> Work | None:
         raise NotImplementedError
 
+    @property
+    def prefilling(self) -> bool:
+        """Whether the next work is (a chunk of) a prompt: the loop plans it after every
+        decode/verify work, so a long prompt delays other sessions by at most one chunk."""
+        return False
+
     def consume(self, work: Work, logits: torch.Tensor) -> list[Msg]:
         """Handle the step's logits; return the messages to send to the session's peer."""
         raise NotImplementedError
@@ -51,6 +57,10 @@ class CloudSession(EngineSession):
         self.max_tokens = req.max_tokens
         self.eos = req.eos_token_id
         self.generated: list[int] = []
+
+    @property
+    def prefilling(self) -> bool:
+        return bool(self.pending) and not self.generated
 
     def next_work(self, budget: int) -> Work | None:
         if not self.pending or self.closed:

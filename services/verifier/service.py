@@ -151,7 +151,9 @@ class Verifier(Service):
     def plan_step(self) -> list[tuple[EngineSession, Work]]:
         budget = self.cfg.max_batch_tokens
         step = []
-        for s in list(self.sessions.values()):
+        # decode and verify work first, prompts with what is left: a long prompt is chunked to
+        # the budget and never takes a step's whole budget from sessions already decoding
+        for s in sorted(self.sessions.values(), key=lambda s: s.prefilling):
             if budget <= 0 or len(step) >= self.cfg.max_batch_sessions:
                 break
             try:

@@ -117,6 +117,10 @@ class SpecSession(EngineSession):
         self.behind_ids: set[int] = set()    # rounds waiting there
 
     # --- engine loop ------------------------------------------------------------------------------
+    @property
+    def prefilling(self) -> bool:
+        return bool(self.prefill)
+
     def next_work(self, budget: int) -> Work | None:
         if self.closed:
             return None

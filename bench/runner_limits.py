@@ -1,0 +1,99 @@
+"""The limits the runner is measured against in every `tandem bench runner` run (issue #20):
+
+* the machine's GEMV bandwidth: a torch matrix-vector product over an fp32 matrix as large as
+  the model's weights, on the bench's threads; the bandwidth floor of a decode step is then the
+  bytes a step streams (every layer matrix, the norms and the LM head) over that bandwidth;
+* llama.cpp on the same weights: the bundled Q4_1 GGUF converted to ALL_F32 by llama.cpp's own
+  quantize API (the runner's fp32 target is the same GGUF dequantised by transformers, so both
+  read the same values), timed by llama-cpp-python for decode and for prompt evaluation.
+
+Each function returns closures that take one measurement, so the bench can interleave them with
+its other cases.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from pathlib import Path
+
+import torch
+
+
+def weight_bytes(runner) -> int:
+    """Bytes a decode step of `runner` streams: every layer tensor, the final norm and the LM
+    head (the embedding table is only indexed, one row per token)."""
+    total = 0
+    for w in runner.layers:
+        for t in w.values():
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    for t in (runner.norm_w, runner.lm_head):
+        if t is not None:
+            total += t.numel() * t.element_size()
+    return total
+
+
+def gemv_case(nbytes: int, width: int = 1024):
+    """Closure returning one GEMV bandwidth sample in bytes/s: torch.mv over an fp32 matrix of
+    about `nbytes` (so it streams from memory as the model's weights do, not from cache)."""
+    rows = max(1, nbytes // (4 * width))
+    w = torch.randn(rows, width)
+    x = torch.randn(width)
+    torch.mv(w, x)
+
+    def sample() -> float:
+        t = time.perf_counter()
+        torch.mv(w, x)
+        return w.numel() * 4 / (time.perf_counter() - t)
+
+    return sample
+
+
+def f32_gguf(source: Path, out: Path) -> Path:
+    """`source` converted to ALL_F32 by llama.cpp's quantize API into `out` (made once)."""
+    if out.is_file():
+        return out
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = llama_cpp.LLAMA_FTYPE_ALL_F32
+    params.allow_requantize = True
+    params.nthread = 2
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    rc = llama_cpp.llama_model_quantize(str(source).encode(), str(tmp).encode(),
+                                        ctypes.byref(params))
+    if rc != 0 or not tmp.is_file():
+        raise RuntimeError(f"llama.cpp quantize to ALL_F32 failed with code {rc}")
+    tmp.rename(out)
+    return out
+
+
+def llama_cases(gguf: Path, threads: int, ctx: int, steps: int, prompt_tokens: int,
+                vocab_size: int):
+    """Closures timing llama.cpp on `gguf`: ms per decoded token (`steps` tokens after a
+    `ctx`-token prompt) and ms for evaluating a `prompt_tokens`-token prompt in one batch."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=max(ctx + steps, prompt_tokens) + 16,
+                          n_threads=threads, n_threads_batch=threads, n_batch=prompt_tokens,
+                          n_ubatch=prompt_tokens, verbose=False)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(100, vocab_size, (max(ctx + steps, prompt_tokens),), generator=gen).tolist()
+
+    def decode() -> float:
+        llm.reset()
+        llm.eval(ids[:ctx])
+        t = time.perf_counter()
+        for i in range(steps):
+            llm.eval([ids[ctx + i]])
+        return (time.perf_counter() - t) * 1e3 / steps
+
+    def prompt() -> float:
+        llm.reset()
+        t = time.perf_counter()
+        llm.eval(ids[:prompt_tokens])
+        return (time.perf_counter() - t) * 1e3
+
+    return {"llama_decode": decode, "llama_prompt": prompt}
