@@ -239,6 +239,14 @@ class DraftBatch(Msg, tag="draft_batch"):
     `probs` is each token's draft probability. When sampling, `q_ids`/`q_probs` carry each
     token's sparse (top-k truncated) draft distribution as tensor refs of shape [n, k].
     `parent` > 0 marks proactive tokens drafted while round `parent` was being verified.
+
+    A *tree round* (`parents` set) carries nodes numbered 0..N-1 within the round in topological
+    order; this batch holds nodes first_node .. first_node + len(token_ids) - 1 (a round's
+    batches arrive in order and contiguous, all with the round's first position as `start`).
+    parents[i] is the round-global index of node first_node + i's parent, -1 for a child of the
+    round's root (the session's last committed token); parents[i] < first_node + i. A node sits
+    at position start + depth; siblings carry distinct tokens; the *main path* (from the root,
+    always the lowest-index child) is the drafter's own chain. probs[i] / q rows are node i's.
     """
     round: Count
     start: Size
@@ -247,24 +255,31 @@ class DraftBatch(Msg, tag="draft_batch"):
     q_ids: TensorRef | None = None
     q_probs: TensorRef | None = None
     parent: Count = 0
+    parents: list[Annotated[int, msgspec.Meta(ge=-1, le=MAX_ID)]] | None = None  # None = a chain
+    first_node: Size = 0     # tree round: the round-global index of this batch's first node
 
 
 class VerifyRequest(Msg, tag="verify"):
-    """NAV: verify every draft token of `round` up to absolute position `end` (exclusive)."""
+    """NAV: verify every draft token of `round` up to absolute position `end` (exclusive); for
+    a tree round, every node in [0, nodes) (`end` is then ignored)."""
     round: Count
     end: Size
+    nodes: Size = 0          # tree round: the node count to verify; 0 = a chain round
 
 
 class VerifyResult(Msg, tag="verify_result"):
     """`accepted` draft tokens of the round were accepted; `token` is the target's next token
     (a correction, or the bonus token after full acceptance). `early` = sent before the NAV
-    request, because streaming verification already found a mismatch."""
+    request, because streaming verification already found a mismatch. For a tree round `path`
+    holds the accepted root path's node indices (len == accepted) and `token` is the target's
+    token at position start + accepted."""
     round: Count
     start: Size
     accepted: Size
     token: TokenId
     early: bool = False
     forwards: Count = 0    # forward passes that included this session so far (prefill included)
+    path: list[Size] = msgspec.field(default_factory=list)   # tree round: accepted node indices
 
 
 # --- dispatcher <-> drafter -----------------------------------------------------------------
@@ -511,6 +526,23 @@ def _check_sizes(msg: Msg, limits: Limits) -> None:
             raise ProtocolError(TOO_LARGE,
                                 f"{name} has {len(value)} entries > limit {limits.max_tokens} "
                                 f"(max_tokens)", field=name)
+    parents = getattr(msg, "parents", None)
+    if parents is not None:
+        check_parents(parents, msg.token_ids, getattr(msg, "first_node", 0))
+
+
+def check_parents(parents: list[int], token_ids: list[int], first_node: int) -> None:
+    """The tree rules a batch shows by itself (DraftBatch / DraftTokens): one parent per node,
+    each parent the root (-1) or an earlier node. What needs the round (first_node continuity,
+    node and depth limits, distinct siblings across batches) is checked by the receiver."""
+    if len(parents) != len(token_ids):
+        raise ProtocolError(BAD_FIELD, f"parents has {len(parents)} entries for "
+                                       f"{len(token_ids)} tokens", field="parents")
+    for i, p in enumerate(parents):
+        if not -1 <= p < first_node + i:
+            raise ProtocolError(BAD_FIELD, f"parents[{i}] = {p}: node {first_node + i}'s parent "
+                                           f"must be -1 (the root) or an earlier node",
+                                field="parents")
 
 
 TENSOR_FIELDS = ("hidden", "q_ids", "q_probs")
