@@ -56,8 +56,11 @@ class Shape:
                    list(req.accept_scale))
 
     def scale(self, depth: int, rank: int) -> float:
-        i = depth * self.max_width + rank
-        return float(self.accept_scale[i]) if 0 <= i < len(self.accept_scale) else 1.0
+        """accept_scale[depth][rank]; deeper than its rows: the last row; missing: 1."""
+        rows = len(self.accept_scale) // max(1, self.max_width)
+        if rows == 0 or not 0 <= rank < self.max_width:
+            return 1.0
+        return float(self.accept_scale[min(depth, rows - 1) * self.max_width + rank])
 
     def node_cost(self, n: int) -> float:
         """Marginal cost of the (n+1)-th node (the curve's last value repeats past its end)."""

@@ -32,6 +32,14 @@ class SpecConfig:
     beta_s: float = setting(0.0002, "β seed: per-token transmission cost before measurements",
                             ge=0)
     gamma_s: float = setting(0.015, "γ seed: drafter seconds per token before measurements", ge=0)
+    tree_nodes: int = setting(32, "tree policies: most nodes per round (knob m; the drafter's "
+                                  "max_tree_nodes caps it)", ge=1, le=256)
+    tree_depth: int = setting(16, "tree policies: most depths per round", ge=1, le=256)
+    tree_width: int = setting(4, "tree policies: most children per node", ge=1, le=16)
+    tree_cost_scale: float = setting(1.0, "tree policies: every node/depth cost × this before "
+                                          "it is weighed against its gain (knob cs)", gt=0)
+    tree_node_cost_s: float = setting(0.002, "tree policies: verify seconds per node before "
+                                             "the verify-cost curve is measured", ge=0)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
