@@ -78,10 +78,16 @@ class Drafter(Service):
         self.spawn_loop("draft", self.draft_loop())
 
     async def teardown(self) -> None:
-        for s in list(self.sessions.values()):
-            self._free(s)
-        if self.model is not None:
-            self.model.close()
+        # a step may still run on the compute thread (its session closed meanwhile): freeing
+        # the model under it crashed the process; wait for it
+        await asyncio.to_thread(self._compute_lock.acquire)
+        try:
+            for s in list(self.sessions.values()):
+                self._free(s)
+            if self.model is not None:
+                self.model.close()
+        finally:
+            self._compute_lock.release()
 
     # --- handlers -------------------------------------------------------------------------------
     async def on_open(self, ident: bytes, msg: protocol.DraftOpen, frames) -> None:
