@@ -88,6 +88,57 @@ def decode_cases(runner, hf, ctx: int, steps: int):
             "verify8": verify8}
 
 
+TREE_PARENTS = [x for d in range(8) for x in [d * 4 - 4 if d else -1] * 4]   # 8 deep, 4 wide
+
+
+def tree_vs_chain(runner, ctx: int, steps: int, reps: int) -> tuple[list[dict], dict]:
+    """Rows and samples of "tree 32 vs chain 8" (#14's runner goal): the verifier's forward for
+    a 32-node token tree (depth 8: a main path and 3 siblings at each depth; the root's token +
+    32 nodes with tree attention, logits for all, then the accepted path kept by
+    SessionKV.move_rows) vs for an 8-token chain (the root's token + 8, then truncate), time
+    ratio per rep (goal <= 1.3x). Chain and tree alternate within each rep."""
+    from common import tree
+
+    L = runner.num_layers
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(100, runner.vocab_size, (ctx + 33,), generator=gen)
+    kv = runner.new_kv()
+    runner.forward([Segment(kv, prompt[:ctx])], 0, L)
+    positions, ancestors = tree.attention(TREE_PARENTS)
+    keep = [ctx + 1 + i for i in tree.main_path(TREE_PARENTS)[:4]]
+
+    def chain8() -> float:
+        def run():
+            for _ in range(steps):
+                runner.forward([Segment(kv, prompt[ctx: ctx + 9], "all")], 0, L)
+                kv.truncate(ctx)
+        return _ms(run) / steps
+
+    def tree32() -> float:
+        def run():
+            for _ in range(steps):
+                runner.forward([Segment(kv, prompt[ctx: ctx + 33], "all", positions, ancestors)],
+                               0, L)
+                kv.move_rows(keep, ctx + 1)
+                kv.truncate(ctx)
+        return _ms(run) / steps
+
+    chain8(), tree32()   # warm-up
+    samples: dict[str, list[float]] = {"chain8": [], "tree32": []}
+    for _ in range(reps):
+        samples["chain8"].append(chain8())
+        samples["tree32"].append(tree32())
+    rows = []
+    for name, key in (("runner verify chain 8", "chain8"), ("runner verify tree 32", "tree32")):
+        x = summary(samples[key])
+        rows.append({"case": name, "median": x["median"], "min": x["min"], "max": x["max"],
+                     "unit": "ms/call", "goal": ""})
+    x = summary([t / c for c, t in zip(samples["chain8"], samples["tree32"])])
+    rows.append({"case": "verify tree 32 vs chain 8", "median": x["median"], "min": x["min"],
+                 "max": x["max"], "unit": "ratio", "goal": "<= 1.3"})
+    return rows, samples
+
+
 def gemm_table(reps: int) -> list[dict]:
     """LM head x @ W.T by method; numpy (OpenBLAS) last, its spinning threads disturb OpenMP."""
 
@@ -177,6 +228,12 @@ def main(argv: list[str] | None = None) -> int:
         gemm = gemm_table(max(args.reps, 5))
         print(f"\nLM head 49152x576, median ms over {max(args.reps, 5)} reps, {threads} threads")
         print(table(gemm, [(k, k) for k in gemm[0]]))
+    tree_rows, samples["tree_vs_chain"] = tree_vs_chain(runner, args.context, args.steps,
+                                                        args.reps)
+    print(f"\ntoken tree verify (#14): {args.steps} calls/rep, {args.reps} reps")
+    print(table(tree_rows, [("case", "case"), ("median", "median"), ("min", "min"),
+                            ("max", "max"), ("unit", "unit"), ("goal", "goal")]))
+    rows += tree_rows
     write_json(args.json, "runner", f"context{args.context}", rows, gemm=gemm,
                samples=samples, threads=threads)
     return 0

@@ -520,14 +520,20 @@ def check(msg: Msg) -> Msg:
 
 
 def _check_sizes(msg: Msg, limits: Limits) -> None:
-    for name in ("token_ids", "probs", "append", "parents", "path"):
+    for name in ("token_ids", "probs", "append"):
+        value = getattr(msg, name, None)
+        if value is not None and len(value) > limits.max_tokens:
+            raise ProtocolError(TOO_LARGE,
+                                f"{name} has {len(value)} entries > limit {limits.max_tokens} "
+                                f"(max_tokens)", field=name)
+    for name in ("parents", "path"):      # token trees (#14): one entry per node
         value = getattr(msg, name, None)
         if value is not None and len(value) > limits.max_tokens:
             raise ProtocolError(TOO_LARGE,
                                 f"{name} has {len(value)} entries > limit {limits.max_tokens} "
                                 f"(max_tokens)", field=name)
     parents = getattr(msg, "parents", None)
-    if parents is not None:
+    if parents is not None and hasattr(msg, "token_ids"):   # DraftBatch, DraftTokens
         check_parents(parents, msg.token_ids, getattr(msg, "first_node", 0))
 
 

@@ -116,6 +116,21 @@ class SessionKV:
             raise ValueError(f"truncate: n_keep must be >= 0, got {n_keep}")
         self.lens = [min(n, n_keep) for n in self.lens]
 
+    @torch.inference_mode()   # the buffers are inference tensors (written by forward)
+    def move_rows(self, rows: list[int], to: int) -> None:
+        """Keep cache rows `rows` (increasing, each >= its destination) at to, to + 1, ... and
+        drop everything after them, at every layer: a verified tree's accepted path becomes
+        consecutive positions by copying len(rows) rows, not the cache."""
+        if any(r < to + i for i, r in enumerate(rows)) or any(
+                a >= b for a, b in zip(rows, rows[1:])):
+            raise ValueError(f"move_rows: rows {rows} must increase, each at or after {to} + its index")
+        n_keep = to + len(rows)
+        for i, buf in enumerate(self.bufs):
+            if rows and buf is not None and self.lens[i] > rows[-1]:
+                src = torch.tensor(rows, device=buf.device)
+                buf[:, :, to: n_keep] = buf[:, :, src]   # the gather copies before the write
+        self.truncate(n_keep)
+
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.bufs if b is not None)
 
@@ -139,6 +154,13 @@ class Segment:
     kv: SessionKV
     x: torch.Tensor      # LongTensor [n] token ids when a == 0, else float [n, hidden]
     logits: str = "last"  # when b == L: "last" -> [1, V], "all" -> [n, V]; ignored when b < L
+    # A token tree (#14): each new token's position minus the cache length (a tree node's
+    # depth + 1 after the root's token; None = 0..n-1) and which new tokens each one sees
+    # (bool [n, n], row i: token i's ancestors and itself; None = causal). Every new token
+    # sees the whole cache. K/V rows are stored in token order, so after verification the
+    # caller keeps the accepted path with SessionKV.move_rows.
+    positions: torch.Tensor | None = None
+    ancestors: torch.Tensor | None = None
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, gemma: bool = False) -> torch.Tensor:
@@ -434,6 +456,11 @@ class LayerRangeRunner:
                                  f"got {s.x.dtype} {tuple(s.x.shape)}")
             if s.x.shape[0] == 0:
                 raise ValueError(f"segment {i}: no new tokens")
+            if (s.positions is None) != (s.ancestors is None) or (s.ancestors is not None and (
+                    s.positions.shape != (s.x.shape[0],) or s.ancestors.dtype != torch.bool
+                    or s.ancestors.shape != (s.x.shape[0], s.x.shape[0]))):
+                raise ValueError(f"segment {i}: a tree needs positions [n] and a bool ancestors "
+                                 f"[n, n] together (n = {s.x.shape[0]})")
             if b == self.num_layers and s.logits not in ("last", "all"):
                 raise ValueError(f"segment {i}: logits must be 'last' or 'all', got {s.logits!r}")
             lens = kv.lens[a - kv.lo: b - kv.lo]
@@ -456,6 +483,18 @@ class LayerRangeRunner:
             visible &= keys > queries - window
         return first, visible
 
+    def _tree_mask(self, p: int, s: Segment, window: int | None) -> tuple[int, torch.Tensor]:
+        """`_session_mask` for a tree segment: token i at position p + positions[i] sees every
+        cached key (within the window) and the new tokens its `ancestors` row names."""
+        pos = p + s.positions.to(self.device)
+        first = 0 if window is None else max(0, p - window + 1)
+        cached = torch.arange(first, p, device=self.device)[None, :].expand(len(pos), -1)
+        visible = torch.cat((cached <= pos[:, None], s.ancestors.to(self.device)), dim=1)
+        if window is not None:
+            keys = torch.cat((torch.arange(first, p, device=self.device), pos))[None, :]
+            visible &= keys > pos[:, None] - window
+        return first, visible
+
     @torch.inference_mode()
     def forward(self, segments: list[Segment], a: int, b: int) -> list[torch.Tensor]:
         """Run layers [a, b) for all segments as one ragged batch and append their K/V.
@@ -471,12 +510,14 @@ class LayerRangeRunner:
         else:
             x = torch.cat([s.x.to(device=dev, dtype=self.dtype) for s in segments])
         T = x.shape[0]
-        positions = torch.cat([torch.arange(p, p + n) for p, n in zip(starts, sizes)])
+        positions = torch.cat([torch.arange(p, p + n) if s.positions is None else p + s.positions
+                               for s, p, n in zip(segments, starts, sizes)])
         rope = self.rope_rows(positions)
         # Per distinct window of the layers run: each session's first visible key and mask
         # (a session with n > 1 new tokens needs the bottom-right causal mask; one token sees
         # every cached key, or the last `window` of them).
-        masks = {w: [self._session_mask(p, n, w) for p, n in zip(starts, sizes)]
+        masks = {w: [self._session_mask(p, n, w) if s.ancestors is None else self._tree_mask(p, s, w)
+                     for s, p, n in zip(segments, starts, sizes)]
                  for w in {self.plans[layer].window for layer in range(a, b)}}
         offsets = [0]
         for n in sizes:

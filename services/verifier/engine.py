@@ -22,6 +22,8 @@ class Work:
     token_ids: list[int]
     logits: str          # "last" | "all" | "none" (prefill chunk whose logits nobody needs)
     phase: str           # metrics label: prefill | decode | verify
+    positions: torch.Tensor | None = None   # a token tree: common/runner.Segment.positions
+    ancestors: torch.Tensor | None = None   # ... and Segment.ancestors (common/tree.attention)
 
 
 class EngineSession(Session):

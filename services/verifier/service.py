@@ -95,7 +95,8 @@ class Verifier(Service):
         protocol.check_sampling(msg.sampling, self.vocab_size)
         s = SpecSession(msg.sid, ident, msg.rid, msg.seq, self.runner.new_kv(),
                         list(msg.token_ids), msg.sampling, msg.stream and self.cfg.stream_verify,
-                        self.vocab_size, self.limits.max_tokens)
+                        self.vocab_size, self.limits.max_tokens,
+                        max_tree_nodes=self.cfg.max_tree_nodes, max_tree_depth=self.cfg.max_tree_depth)
         self.add(s)
         if s.prefilled:   # a one-token prompt: nothing to prefill
             await self.send(ident, protocol.Ack(sid=msg.sid, seq=msg.seq, rid=msg.rid))
@@ -177,7 +178,8 @@ class Verifier(Service):
             torch.set_num_threads(threads)
 
         segs = [Segment(s.kv, torch.tensor(w.token_ids, dtype=torch.long),
-                        "all" if w.logits == "all" else "last") for s, w in step]
+                        "all" if w.logits == "all" else "last", w.positions, w.ancestors)
+                for s, w in step]
         t = time.perf_counter()
         out = self.runner.forward(segs, 0, self.runner.num_layers)
         dt = time.perf_counter() - t

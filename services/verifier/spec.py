@@ -24,6 +24,14 @@ Streaming verification (`stream`): the forward runs over tokens as they arrive, 
 checked at once, and a rejected draft resolves the round immediately (VerifyResult early=True)
 without waiting for the NAV. Without it the forward runs at NAV time over the round (PipeSD).
 
+Tree rounds (#14, services/verifier/spec_tree.py): a round whose batches carry `parents` is a
+token tree, verified at its NAV in one forward over all its nodes; its result names the accepted
+path. Proactive rounds behind it (chains extending its main path) wait, as received, until it
+resolves, and are then taken as if they arrived after its result: kept only if the whole main
+path was accepted and the bonus equals their guess. In a `stream` session a tree round is
+verified at its NAV too (no forward per batch, no early result): until the NAV a later batch
+may still add the child the target wants, so no node can be rejected early.
+
 Idempotency: a resent batch (same round, overlapping positions, same tokens) and a repeated NAV
 are answered from state; a result is never computed twice. A round the session never had, a gap
 or a changed token is an Error with a stable code. The KV cache changes only between forward
@@ -42,6 +50,7 @@ from common import metrics, protocol, sampling
 from common.protocol import Msg, ProtocolError
 from services.verifier import spec_verify
 from services.verifier.engine import EngineSession, Work
+from services.verifier.spec_tree import TreeRound
 
 KEEP_RESULTS = 256     # rounds whose results are remembered for repeated NAVs
 MAX_CHAIN = 64         # proactive rounds a session may have behind its active one
@@ -78,7 +87,8 @@ class Outcome:
 class SpecSession(EngineSession):
 
     def __init__(self, sid: str, ident: bytes, rid: int, seq: int, kv, prompt: list[int],
-                 s: protocol.Sampling, stream: bool, vocab_size: int, max_stream: int = 4096):
+                 s: protocol.Sampling, stream: bool, vocab_size: int, max_stream: int = 4096,
+                 max_tree_nodes: int = 64, max_tree_depth: int = 32):
         super().__init__(sid, ident, rid, seq, kv)
         self.sampling = s
         self.greedy = sampling.is_greedy(s)
@@ -101,6 +111,10 @@ class SpecSession(EngineSession):
         self.forwards = 0
         self.inflight = False
         self.feed_from = 0
+        self.max_tree_nodes, self.max_tree_depth = max_tree_nodes, max_tree_depth
+        self.tree: TreeRound | None = None   # the active round, when it is a tree
+        self.behind_tree: list[tuple] = []   # ("batch", msg, q_ids, q_probs) / ("verify", msg)
+        self.behind_ids: set[int] = set()    # rounds waiting there
 
     # --- engine loop ------------------------------------------------------------------------------
     def next_work(self, budget: int) -> Work | None:
@@ -110,6 +124,8 @@ class SpecSession(EngineSession):
             take = self.prefill[:budget]
             self.inflight = True
             return Work(take, "none", "prefill")
+        if self.tree is not None:
+            return self._tree_work()
         end = self._feed_end()
         if end < self.C:
             return None
@@ -125,6 +141,22 @@ class SpecSession(EngineSession):
         self.inflight = True
         self.feed_from = pos0
         return Work(tokens, "all", "verify")
+
+    def _tree_work(self) -> Work | None:
+        """The whole tree in one forward, after its NAV: the root's token, then every node."""
+        t = self.tree
+        if t.nodes is None or t.fed:
+            return None
+        fed = self.kv.length()
+        if fed == self.C and self.tail_pos == self.C:
+            lead = []     # a streaming session fed the root's token already: its row is the tail
+        elif fed == self.C - 1:
+            lead = [self.t_last]
+        else:
+            raise RuntimeError(f"tree round {t.id}: cache holds {fed} tokens, {self.C} committed")
+        positions, ancestors = t.attention(len(lead))
+        t.fed = self.inflight = True
+        return Work([*lead, *t.tokens], "all", "verify", positions, ancestors)
 
     def _feed_end(self) -> int:
         """Feed stream tokens at positions < this."""
@@ -150,6 +182,8 @@ class SpecSession(EngineSession):
                 return []
             self.prefilled = True
             return [protocol.Ack(sid=self.sid, seq=self.seq, rid=self.rid)]
+        if work.ancestors is not None:
+            return [self._commit_tree(logits), *self.resolve()]
         for i in range(logits.shape[0]):
             self._row(self.feed_from + i + 1, logits[i])
         return self.resolve()
@@ -229,12 +263,58 @@ class SpecSession(EngineSession):
             metrics.EARLY_REJECTS.labels("verifier").inc()
         return res
 
+    def _commit_tree(self, rows: torch.Tensor) -> protocol.VerifyResult:
+        """Walk the verified tree, keep the accepted path's K/V, answer, then take the rounds
+        that waited behind it."""
+        t = self.tree
+        if rows.shape[0] == len(t.tokens):   # no root token fed: its row is the kept tail
+            rows = torch.cat((self.tail[None].to(rows.dtype), rows))
+        path, token = t.walk(rows, self.sampling)
+        self.kv.move_rows([t.start + i for i in path], t.start)   # root token at start - 1
+        end = t.start + len(path)
+        o = Outcome(end, token, path == t.main_path())
+        self.tree = None
+        self.stream, self.decisions = [], {}
+        self.tail, self.tail_pos = None, -1
+        self.C, self.t_last = end + 1, token
+        res = protocol.VerifyResult(sid=self.sid, seq=t.id, rid=self.rid, round=t.id,
+                                    start=t.start, accepted=len(path), token=token,
+                                    forwards=self.forwards, path=path)
+        self.results[t.id] = (res, o)
+        while len(self.results) > KEEP_RESULTS:
+            self.results.popitem(last=False)
+        behind, self.behind_tree, self.behind_ids = self.behind_tree, [], set()
+        for item in behind:
+            try:
+                if item[0] == "batch":
+                    self.on_batch(*item[1:])
+                else:
+                    self.on_verify(item[1])
+            except ProtocolError:
+                # a proactive round that does not fit the accepted path: nothing of it can be
+                # kept, and the dispatcher learns that from this result
+                self.discarded.add(item[1].round)
+        return res
+
     # --- messages ---------------------------------------------------------------------------------
     def on_batch(self, msg: protocol.DraftBatch, q_ids, q_probs) -> None:
         """Take a batch of draft tokens; raises ProtocolError on an inconsistent one."""
         rid = msg.round
         if rid in self.results or rid in self.discarded:
             return   # late or resent batch of a finished round
+        if msg.parents is not None:
+            self._tree_batch(msg, q_ids, q_probs)
+            return
+        if self.tree is not None:
+            if msg.parent == self.tree.id or msg.parent in self.behind_ids or rid in self.behind_ids:
+                if len(self.behind_ids) >= MAX_CHAIN and rid not in self.behind_ids:
+                    raise ProtocolError(protocol.TOO_LARGE, f"more than {MAX_CHAIN} proactive rounds")
+                self.behind_tree.append(("batch", msg, q_ids, q_probs))
+                self.behind_ids.add(rid)
+                return
+            raise ProtocolError(protocol.BAD_FIELD if rid > self.max_round else protocol.UNKNOWN_ROUND,
+                                f"round {rid} (parent {msg.parent}) while tree round "
+                                f"{self.tree.id} is unresolved", field="round")
         if self.active is not None and rid == self.active.id:
             self._append(self.active, msg, q_ids, q_probs)
         elif any(c.id == rid for c in self.chain):
@@ -244,12 +324,36 @@ class SpecSession(EngineSession):
         else:
             raise ProtocolError(protocol.UNKNOWN_ROUND, self._rounds_text(rid))
 
+    def _tree_batch(self, msg: protocol.DraftBatch, q_ids, q_probs) -> None:
+        rid, t = msg.round, self.tree
+        if msg.parent != 0:
+            raise ProtocolError(protocol.BAD_FIELD, f"round {rid}: a proactive round is a chain "
+                                                    f"(no parents)", field="parents")
+        if t is not None and rid == t.id:
+            t.append(msg, q_ids, q_probs, self.max_tree_nodes, self.max_tree_depth)
+            return
+        if rid <= self.max_round:
+            raise ProtocolError(protocol.UNKNOWN_ROUND, self._rounds_text(rid))
+        if self.active is not None or t is not None:
+            raise ProtocolError(protocol.BAD_FIELD, f"round {rid} opened while round "
+                                                    f"{(self.active or t).id} is unresolved")
+        if msg.start != self.C:
+            raise ProtocolError(protocol.BAD_FIELD, f"round {rid} starts at {msg.start}; "
+                                                    f"{self.C} tokens are committed", field="start")
+        if msg.first_node != 0:
+            raise ProtocolError(protocol.BAD_FIELD, f"tree round {rid}'s first batch starts at "
+                                                    f"node {msg.first_node}, not 0", field="first_node")
+        t = TreeRound(rid, self.C)
+        t.append(msg, q_ids, q_probs, self.max_tree_nodes, self.max_tree_depth)  # may refuse it
+        self.tree, self.max_round = t, rid
+
     def _open(self, msg: protocol.DraftBatch, q_ids, q_probs) -> None:
         rid, parent = msg.round, msg.parent
         if parent == 0:
-            if self.active is not None:
+            if self.active is not None or self.tree is not None:
                 raise ProtocolError(protocol.BAD_FIELD, f"round {rid} opened while round "
-                                                        f"{self.active.id} is unresolved")
+                                                        f"{(self.active or self.tree).id} is "
+                                                        f"unresolved")
             if msg.start != self.C:
                 raise ProtocolError(protocol.BAD_FIELD, f"round {rid} starts at {msg.start}; "
                                                         f"{self.C} tokens are committed")
@@ -323,12 +427,24 @@ class SpecSession(EngineSession):
             return self.results[rid][0]
         if rid in self.discarded:
             return None   # the dispatcher already knows from the parent's result
+        if self.tree is not None and rid == self.tree.id:
+            self.tree.close(msg.nodes)
+            return None
+        if msg.nodes:
+            known = (rid in self.behind_ids or any(c.id == rid for c in self.chain)
+                     or (self.active is not None and self.active.id == rid))
+            raise ProtocolError(protocol.BAD_FIELD if known else protocol.UNKNOWN_ROUND,
+                                f"NAV for {msg.nodes} nodes: round {rid} is not a tree round "
+                                f"({self._rounds_text(rid)})", field="nodes")
+        if rid in self.behind_ids:
+            self.behind_tree.append(("verify", msg))
+            return None
         r = None
         if self.active is not None and rid == self.active.id:
             r = self.active
         elif any(c.id == rid for c in self.chain):
             r = next(c for c in self.chain if c.id == rid)
-        elif rid > self.max_round and self.active is None and msg.end == self.C:
+        elif rid > self.max_round and self.active is None and self.tree is None and msg.end == self.C:
             # a zero-draft round: the target's next token alone
             r = self.active = Round(rid, 0, self.C, self.C, self.C)
             self.max_round = rid
@@ -342,7 +458,8 @@ class SpecSession(EngineSession):
         return None
 
     def _rounds_text(self, rid: int) -> str:
-        return (f"unknown round {rid}: active {self.active.id if self.active else None}, "
+        active = self.active or self.tree
+        return (f"unknown round {rid}: active {active.id if active else None}, "
                 f"proactive {[c.id for c in self.chain]}, latest {self.max_round}")
 
 

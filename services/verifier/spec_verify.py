@@ -105,3 +105,95 @@ def check_q(token_ids: list[int], q_ids: np.ndarray, q_probs: np.ndarray, vocab:
         if len(hit) == 0 or probs[i, hit[0]] <= 0:
             return f"draft token {t} at row {i} is outside its q support"
     return ""
+
+
+# ---------------------------------------------------------------------------------------------
+# Token trees (#14): the target's token at one tree node, given that node's children.
+#
+# A verifier walks a tree from the root: at each node it asks `tree_choose` for the target's
+# token at the next position and which child (if any) carries it; it descends into that child or
+# stops there. Greedy: the argmax, matched against the children. Sampling: recursive rejection
+# sampling over the siblings (Jeon et al. 2024, "Recursive Speculative Decoding"), the siblings
+# having been drawn from q *without replacement* in rank order: child i is accepted with
+# probability min(1, p_i(x_i) / q_i(x_i)); on rejection p_{i+1} = norm(max(0, p_i - q_i)) and
+# q_{i+1} = q_i without x_i, renormalised; when every child is rejected the token is drawn from
+# p_{k+1}. At every step the token is distributed as p_i given that the step is reached, so the
+# output is distributed exactly as p (tests/unit/test_spec_verify_tree.py enumerates it). With one
+# child this is `speculative` above, with the same random streams, so a chain-shaped tree gives
+# the chain's tokens.
+
+TREE_ACCEPT_STREAM = 16   # + sibling rank (>= 1) for the acceptance uniforms of later siblings
+
+
+@dataclass(frozen=True)
+class TreeStep:
+    """The target's token at a node's next position, and the rank of the child carrying it
+    among the node's children (None: no child does; the walk stops with `token`)."""
+    token: int
+    child: int | None
+
+
+def rrs_plan(p: torch.Tensor, children: list[int], q_ids, q_probs
+             ) -> tuple[list[float], torch.Tensor]:
+    """Recursive rejection sampling's numbers for one node: the acceptance probability of each
+    child in rank order (given that the ones before it were rejected) and the distribution
+    p_{k+1} a token is drawn from when all are rejected (float64, sums to 1).
+
+    p: the target's probabilities [V]; children: the child tokens in rank order, drawn from q
+    without replacement; q_ids / q_probs: the sparse q they were drawn from ([k])."""
+    p_i = p.double() / p.double().sum()
+    ids = torch.as_tensor(np.asarray(q_ids), dtype=torch.long)
+    q_i = torch.as_tensor(np.asarray(q_probs), dtype=torch.float64).clone()
+    q_i = q_i / q_i.sum()
+    accept: list[float] = []
+    for x in children:
+        hit = (ids == x).nonzero()
+        q_x = float(q_i[hit[0, 0]]) if len(hit) else 0.0
+        p_x = float(p_i[x])
+        a = min(1.0, p_x / q_x) if q_x > 0.0 else 0.0
+        accept.append(a)
+        if a >= 1.0:
+            break   # accepted for sure: nothing after it is ever reached
+        residual = p_i.clone()
+        residual[ids] = torch.clamp(p_i[ids] - q_i, min=0.0)
+        total = float(residual.sum())
+        if total > 0.0:   # (p_i <= q_i everywhere means p_i == q_i: a was 1 up to rounding)
+            p_i = residual / total
+        if len(hit):
+            q_i[hit[0, 0]] = 0.0
+        mass = float(q_i.sum())
+        if mass <= 0.0:
+            break       # q's whole support drafted: no further sibling can exist
+        q_i = q_i / mass
+    accept += [0.0] * (len(children) - len(accept))
+    return accept, p_i
+
+
+def tree_choose(logits: torch.Tensor, children: list[int], s: Sampling, position: int,
+                q_ids=None, q_probs=None) -> TreeStep:
+    """The target's token at absolute `position` (logits: its row there), given the drafted
+    children of the node before it in rank order and, when sampling, the sparse q they were drawn
+    from. A walk step of tree verification; the place for another coupling of target and drafter
+    (Gumbel-max: the token is argmax(log p + g), matched against the children as greedy is)."""
+    if sampling.is_greedy(s):
+        token = int(torch.argmax(logits).item())
+        return TreeStep(token, children.index(token) if token in children else None)
+    # The Gumbel coupling (#14 item 7, the LEARN branch's common/sampling.is_gumbel /
+    # gumbel_token; looked up so that this works before and after that merge): the token is
+    # argmax(log p + g), whatever was drafted, and the walk matches it like greedy.
+    is_gumbel = getattr(sampling, "is_gumbel", None)
+    if is_gumbel is not None and is_gumbel(s):
+        token = sampling.gumbel_token(logits, s, position)
+        return TreeStep(token, children.index(token) if token in children else None)
+    if not children:
+        return TreeStep(bonus(logits, s, position), None)
+    p = sampling.target_probs(logits.float().cpu(), s)
+    accept, residual = rrs_plan(p, children, q_ids, q_probs)
+    for rank, (x, a) in enumerate(zip(children, accept)):
+        stream = ACCEPT_STREAM if rank == 0 else TREE_ACCEPT_STREAM + rank
+        u = float(torch.rand(1, generator=sampling.generator(s, position, stream)).item())
+        if u < a:
+            return TreeStep(x, rank)
+    token = int(torch.multinomial(residual.float(), 1,
+                                  generator=sampling.generator(s, position, RESAMPLE_STREAM)).item())
+    return TreeStep(token, None)
