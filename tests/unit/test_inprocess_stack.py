@@ -65,6 +65,15 @@ def test_trees_equal_transformers_on_every_prompt(stack, ids, reference, policy)
     assert any(rank >= 1 and row[0] > 0 for (_, rank), row in table.items()), table
 
 
+def test_sampled_trees_complete(stack, ids, tokenizer):
+    """Sampling over token trees (the drafter's children drawn without replacement, recursive
+    rejection sampling on the verifier): a seeded request runs to its length through wide trees."""
+    r = _gen(stack, ids[0], mode="spec", policy="tree", policy_knobs={"cs": 0.05, "m": 24},
+             temperature=0.8, seed=7)
+    assert len(r.token_ids) == N and all(0 <= t < len(tokenizer) for t in r.token_ids)
+    assert r.stats["rounds"] >= 1 and r.stats["draft_tokens"] >= 1
+
+
 @pytest.mark.parametrize("cut", [1, 4, 15, 29])
 def test_split_equals_transformers_at_every_depth(stack, ids, reference, cut):
     r = _gen(stack, ids[1], mode="split", cut=cut)
