@@ -38,6 +38,9 @@ class SpecConfig:
     tree_width: int = setting(4, "tree policies: most children per node", ge=1, le=16)
     tree_cost_scale: float = setting(1.0, "tree policies: every node/depth cost × this before "
                                           "it is weighed against its gain (knob cs)", gt=0)
+    tree_proactive: int = setting(8, "tree policies: tokens of the proactive chain drafted "
+                                     "along the main path while a tree is verified; 0 = none",
+                                  ge=0)
     tree_node_cost_s: float = setting(0.002, "tree policies: verify seconds per node before "
                                              "the verify-cost curve is measured", ge=0)
 

@@ -289,7 +289,9 @@ class SpecRun:
         if self.policy.tree:
             self.sm = TreeRounds(len(req.prompt_ids), req.max_tokens, self.policy,
                                  self.edge.tree(self.policy.name), self._tree_shape,
-                                 MetricHooks(self.policy.name, self.edge))
+                                 MetricHooks(self.policy.name, self.edge),
+                                 proactive=self.cfg.spec.tree_proactive,
+                                 batch=self.edge.window(self.policy.name).value)
         self.vch = self.vpeer.channel()
         self._reader(self.vch, self.vsrc)
         await self.vch.send(protocol.SpecOpen(sid=self.vsid, seq=OPEN_SEQ, token_ids=req.prompt_ids,
@@ -468,11 +470,17 @@ class SpecRun:
                 await self.emit_degraded(msg)
             return
         if self.policy.tree:
-            if msg.parents is None:
-                return   # the drafter's chain past a tree: not used (no proactive rounds)
             try:
-                actions = self.sm.on_tree(msg.start, msg.first_node, msg.token_ids, msg.parents,
-                                          msg.probs, msg.tree_done, q_ids, q_probs)
+                if msg.parents is None:   # the proactive chain along a tree's main path
+                    actions = []
+                    for i, (t, p) in enumerate(zip(msg.token_ids, msg.probs)):
+                        actions += self.sm.on_chain(Draft(
+                            msg.start + i, t, p, None if q_ids is None else q_ids[i],
+                            None if q_probs is None else q_probs[i]))
+                else:
+                    actions = self.sm.on_tree(msg.start, msg.first_node, msg.token_ids,
+                                              msg.parents, msg.probs, msg.tree_done, q_ids,
+                                              q_probs)
             except SpecError as e:
                 await self.on_drafter(protocol.Error(code=protocol.INTERNAL, message=str(e)),
                                       frames)

@@ -66,8 +66,8 @@ POLICIES = {
                              stream=False, bo=False),
     # Token trees (issue #14): the tree's shape ends a round (no NAV trigger); each depth's
     # nodes go out as they are drafted; knobs "cs" (cost scale) and "m" (max nodes)
-    "tree": Policy("tree", "tree", dp=True, proactive=False, stream=False, bo=False, tree=True),
-    "tree-stream": Policy("tree-stream", "tree", dp=True, proactive=False, stream=True, bo=False,
+    "tree": Policy("tree", "tree", dp=True, proactive=True, stream=False, bo=False, tree=True),
+    "tree-stream": Policy("tree-stream", "tree", dp=True, proactive=True, stream=True, bo=False,
                           tree=True),
 }
 

@@ -10,8 +10,8 @@ import pytest
 
 from common import protocol
 from common.tree_shape import ROOT, Shape, check_parents, grow
-from services.dispatcher.spec_session import (POLICIES, Emit, Rollback, SendBatch, SendNav,
-                                              SpecError)
+from services.dispatcher.spec_session import (POLICIES, Draft, Emit, Limit, Rollback, SendBatch,
+                                              SendNav, SpecError)
 from services.dispatcher.tree_policy import TreePolicy, TreePolicyConfig, depths, ranks
 from services.dispatcher.tree_session import AskTree, TreeRounds
 
@@ -171,7 +171,7 @@ def test_policy_request_follows_the_link():
 def rounds(max_tokens=20, prompt=10):
     tp = TreePolicy()
     shape = lambda left: tp.request(0.05, 0.0, 0.005, left)  # noqa: E731
-    return TreeRounds(prompt, max_tokens, POLICIES["tree"], tp, shape), tp
+    return TreeRounds(prompt, max_tokens, POLICIES["tree"], tp, shape, batch=8), tp
 
 
 def test_a_round_asks_sends_verifies_and_rolls_back_to_the_path():
@@ -226,3 +226,45 @@ def test_empty_trees_the_last_token_and_a_lost_drafter_are_zero_rounds():
     out = sm.on_result(out[0].round, 11, 0, 8)
     assert out[0] == Emit([8]) and isinstance(out[1], SendNav)   # the target alone
     assert sm.on_result(out[1].round, 12, 0, 9) == [Emit([9])] and sm.C == sm.final
+
+
+def _tree_then_chain(sm):
+    """A tree [5 -> 7, 6] at 10 (main path 5, 7), then its proactive chain 8, 9, 1, 2 from 12."""
+    (ask,) = sm.start()
+    sm.on_tree(10, 0, [5, 6], [-1, -1], [0.6, 0.3], False)
+    out = sm.on_tree(10, 2, [7], [0], [0.9], True)
+    assert isinstance(out[1], SendNav) and out[1].nodes == 3
+    assert out[2] == Limit(12 + 4)                  # the chain along the main path
+    sends = []
+    for i, t in enumerate([8, 9, 1, 2]):
+        sends += sm.on_chain(Draft(12 + i, t, 0.9))
+    batch, nav = sends
+    assert batch.parent == ask.round and batch.start == 12 and len(batch.drafts) == 4
+    assert nav.end == 16 and nav.nodes == 0
+    return ask, nav
+
+
+def test_a_proactive_chain_behind_a_tree_is_kept_when_the_main_path_and_guess_hold():
+    sm, _ = rounds(max_tokens=20)
+    sm.proactive = 4
+    ask, nav = _tree_then_chain(sm)
+    out = sm.on_result(ask.round, 10, 2, 8, path=[0, 2])      # main path, bonus == guess 8
+    assert out == [Emit([5, 7, 8])] and sm.C == 13 and sm.stats.proactive_kept == 4
+    out = sm.on_result(nav.round, 13, 1, 4)                  # the chain: 9 accepted, then 4
+    assert out[0] == Emit([9, 4]) and out[1] == Rollback(1, 14, [4], 0)
+    assert isinstance(out[2], AskTree) and sm.C == 15
+
+
+def test_a_proactive_chain_is_discarded_otherwise():
+    sm, _ = rounds(max_tokens=20)
+    sm.proactive = 4
+    ask, nav = _tree_then_chain(sm)
+    out = sm.on_result(ask.round, 10, 2, 3, path=[0, 2])      # bonus 3 != guess 8
+    assert out[0] == Emit([5, 7, 3]) and out[1] == Rollback(1, 12, [3], 0, path=[0, 2])
+    assert isinstance(out[2], AskTree) and sm.stats.proactive_discarded == 4
+    assert sm.on_result(nav.round, 13, 1, 4) == []           # the verifier dropped it too
+    sm, _ = rounds(max_tokens=20)
+    sm.proactive = 4
+    ask, _ = _tree_then_chain(sm)
+    out = sm.on_result(ask.round, 10, 1, 8, path=[1])         # a side path: discarded
+    assert out[1] == Rollback(1, 11, [8], 0, path=[1]) and sm.stats.proactive_discarded == 4
