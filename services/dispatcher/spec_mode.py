@@ -146,7 +146,7 @@ POLICY_KNOBS = {"pipesd": {"r1": (0.0, 1.0), "r2": (0.0, 1.0)},
                 "edgellm": {"r1": (0.0, 1.0), "c": (0.0, 0.999999)},
                 "vanilla": {"n": (0.0, 1024.0)},
                 "oracle-trigger": {},
-                "tree": {"cs": (0.0, 1024.0), "m": (0.0, 256.0)}}
+                "tree": {"cs": (0.0, 1024.0), "m": (0.0, 64.0)}}   # m: the drafter's max_tree_nodes default
 WHOLE_KNOBS = ("n", "m")   # knobs that count something
 
 
