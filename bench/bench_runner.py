@@ -96,7 +96,9 @@ def tree_vs_chain(runner, ctx: int, steps: int, reps: int) -> tuple[list[dict], 
     a 32-node token tree (depth 8: a main path and 3 siblings at each depth; the root's token +
     32 nodes with tree attention, logits for all, then the accepted path kept by
     SessionKV.move_rows) vs for an 8-token chain (the root's token + 8, then truncate), time
-    ratio per rep (goal <= 1.3x). Chain and tree alternate within each rep."""
+    ratio per rep (goal <= 1.3x). A 32-token chain (the root's token + 32) is the control: the
+    same rows without the tree mask, so "tree 32 vs chain 32" is what tree attention itself
+    costs and the rest is the cost of the rows. The cases alternate within each rep."""
     from common import tree
 
     L = runner.num_layers
@@ -114,6 +116,13 @@ def tree_vs_chain(runner, ctx: int, steps: int, reps: int) -> tuple[list[dict], 
                 kv.truncate(ctx)
         return _ms(run) / steps
 
+    def chain32() -> float:
+        def run():
+            for _ in range(steps):
+                runner.forward([Segment(kv, prompt[ctx: ctx + 33], "all")], 0, L)
+                kv.truncate(ctx)
+        return _ms(run) / steps
+
     def tree32() -> float:
         def run():
             for _ in range(steps):
@@ -123,19 +132,25 @@ def tree_vs_chain(runner, ctx: int, steps: int, reps: int) -> tuple[list[dict], 
                 kv.truncate(ctx)
         return _ms(run) / steps
 
-    chain8(), tree32()   # warm-up
-    samples: dict[str, list[float]] = {"chain8": [], "tree32": []}
+    cases = {"chain8": chain8, "tree32": tree32, "chain32": chain32}
+    for f in cases.values():   # warm-up
+        f()
+    samples: dict[str, list[float]] = {k: [] for k in cases}
     for _ in range(reps):
-        samples["chain8"].append(chain8())
-        samples["tree32"].append(tree32())
+        for k, f in cases.items():
+            samples[k].append(f())
     rows = []
-    for name, key in (("runner verify chain 8", "chain8"), ("runner verify tree 32", "tree32")):
+    for name, key in (("runner verify chain 8", "chain8"), ("runner verify tree 32", "tree32"),
+                      ("runner verify chain 32 (control)", "chain32")):
         x = summary(samples[key])
         rows.append({"case": name, "median": x["median"], "min": x["min"], "max": x["max"],
                      "unit": "ms/call", "goal": ""})
     x = summary([t / c for c, t in zip(samples["chain8"], samples["tree32"])])
     rows.append({"case": "verify tree 32 vs chain 8", "median": x["median"], "min": x["min"],
                  "max": x["max"], "unit": "ratio", "goal": "<= 1.3"})
+    x = summary([t / c for c, t in zip(samples["chain32"], samples["tree32"])])
+    rows.append({"case": "verify tree 32 vs chain 32", "median": x["median"], "min": x["min"],
+                 "max": x["max"], "unit": "ratio", "goal": ""})
     return rows, samples
 
 
