@@ -135,13 +135,15 @@ def test_batched_equals_one_by_one_and_forwards_held_several_sessions(stack, ids
 
 
 @pytest.mark.parametrize("mode,role", [("cloud-only", "verifier"), ("spec", "verifier"),
-                                       ("split", "suffix")])
+                                       ("split", "suffix"), ("spec-tree", "verifier")])
 def test_a_replica_stopped_mid_stream_is_recovered_exactly(stack, ids, reference, mode, role):
     """The replica holding the session stops after the first tokens: the session is replayed on
     the other replica, nothing is lost or repeated, and the replay is on record (the fault
     took effect)."""
     n = 32
     kw = {"policy": "pipesd"} if mode == "spec" else {"cut": 8} if mode == "split" else {}
+    if mode == "spec-tree":
+        mode, kw = "spec", {"policy": "tree"}
 
     async def go(s):
         names = [name for name in s.services if name.split("-")[0] == role]
