@@ -164,3 +164,26 @@ def test_a_replica_stopped_mid_stream_is_recovered_exactly(stack, ids, reference
         assert result.stats.get("recoveries", 0) >= 1, result.stats
     finally:
         stack.call(lambda s: s.start(stopped))
+
+
+def test_a_drafter_stopped_mid_tree_stream_leaves_the_target_exact(stack, ids, reference):
+    """Token trees without their drafter (stopped after the first tokens, a tree round in
+    flight): what was sent is verified, the target goes on alone, the output is exact."""
+    n = 32
+
+    async def go(s):
+        async with s.client() as c:
+            tokens, stopped = [], False
+            async for chunk in c.generate(list(ids[3]), mode="spec", policy="tree", max_tokens=n,
+                                          stop_at_eos=False, deadline_s=120):
+                tokens += chunk.token_ids
+                if not stopped and len(tokens) >= 4:
+                    stopped = True
+                    await s.stop("drafter")
+            return tokens, c.last_result
+    try:
+        tokens, result = stack.call(go)
+    finally:
+        stack.call(lambda s: s.start("drafter"))
+    assert tokens == reference(ids[3], n)
+    assert result.stats.get("drafter_lost"), result.stats
