@@ -41,6 +41,9 @@ class SpecConfig:
     tree_proactive: int = setting(8, "tree policies: tokens of the proactive chain drafted "
                                      "along the main path while a tree is verified; 0 = none",
                                   ge=0)
+    tree_proactive_trigger: bool = setting(
+        False, "tree policies: end that proactive chain at PipeSD's dual threshold (r1, r2) "
+               "too, not only at tree_proactive tokens")
     tree_node_cost_s: float = setting(0.002, "tree policies: verify seconds per node before "
                                              "the verify-cost curve is measured", ge=0)
 

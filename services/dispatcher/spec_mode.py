@@ -291,7 +291,10 @@ class SpecRun:
                                  self.edge.tree(self.policy.name), self._tree_shape,
                                  MetricHooks(self.policy.name, self.edge),
                                  proactive=self.cfg.spec.tree_proactive,
-                                 batch=self.edge.window(self.policy.name).value)
+                                 batch=self.edge.window(self.policy.name).value,
+                                 trigger=make_trigger("pipesd", NavConfig(
+                                     r1=self.cfg.spec.r1, r2=self.cfg.spec.r2, max_length=0))
+                                 if self.cfg.spec.tree_proactive_trigger else None)
         self.vch = self.vpeer.channel()
         self._reader(self.vch, self.vsrc)
         await self.vch.send(protocol.SpecOpen(sid=self.vsid, seq=OPEN_SEQ, token_ids=req.prompt_ids,

@@ -87,10 +87,12 @@ class ChainRound:
 
 class TreeRounds:
     def __init__(self, prompt_len: int, max_tokens: int, policy, tree: TreePolicy, shape,
-                 hooks: Hooks | None = None, proactive: int = 0, batch: int = 4):
+                 hooks: Hooks | None = None, proactive: int = 0, batch: int = 4,
+                 trigger: NavTrigger | None = None):
         """`shape(depth_left)` -> the protocol.TreeRequest of the next round; `proactive`:
-        tokens of the proactive chain drafted behind a complete tree (0 = none); `batch`: its
-        tokens per DraftBatch."""
+        most tokens of the proactive chain drafted behind a complete tree (0 = none); `batch`:
+        its tokens per DraftBatch; `trigger`: ends that chain earlier (a NAV trigger on its
+        drafts' confidence, e.g. PipeSD's dual threshold), else it runs to `proactive`."""
         self.prompt_len = prompt_len
         self.C = prompt_len
         self.final = prompt_len + max_tokens
@@ -104,7 +106,8 @@ class TreeRounds:
         self.epoch = 0
         self.drafting = True
         self.stats = Stats()
-        self.trigger = NavTrigger()        # no NAV trigger: the tree's shape ends a round
+        self.trigger = trigger or NavTrigger()   # the tree's shape ends a tree round; this
+        #                                          ends a proactive chain round
         self.window = DraftWindow()
         self.planner = BatchPlanner()
         self.proactive = max(0, int(proactive)) if policy.proactive else 0
@@ -155,14 +158,18 @@ class TreeRounds:
             return []
         c.drafts.append(d)
         out: list = []
-        full = len(c.drafts) >= c.length or d.position >= self.final - 2
-        if full or len(c.drafts) - c.sent >= self.batch:
+        reason = None
+        if len(c.drafts) > 1:      # the guess is not a draft of this round
+            reason = self.trigger.observe(d.prob, d.token, d.position - self.prompt_len)
+        if reason is None and (len(c.drafts) >= c.length or d.position >= self.final - 2):
+            reason = "length"
+        if reason is not None or len(c.drafts) - c.sent >= self.batch:
             out.append(self._chain_batch(c))
-        if full:
+        if reason is not None:
             c.closed = True
-            self.stats.nav_reasons["length"] = self.stats.nav_reasons.get("length", 0) + 1
-            self.hooks.nav("length")
-            out.append(SendNav(c.id, c.end, "length"))
+            self.stats.nav_reasons[reason] = self.stats.nav_reasons.get(reason, 0) + 1
+            self.hooks.nav(reason)
+            out.append(SendNav(c.id, c.end, reason))
         return out
 
     def _chain_batch(self, c: ChainRound) -> SendBatch:
@@ -181,6 +188,7 @@ class TreeRounds:
             return []
         self.rounds.append(ChainRound(self.next_id, r.id, base, length))
         self.next_id += 1
+        self.trigger.reset()
         return [Limit(base + length)]
 
     def on_result(self, round_id: int, start: int, accepted: int, token: int,

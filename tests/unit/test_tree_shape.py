@@ -268,3 +268,19 @@ def test_a_proactive_chain_is_discarded_otherwise():
     ask, _ = _tree_then_chain(sm)
     out = sm.on_result(ask.round, 10, 1, 8, path=[1])         # a side path: discarded
     assert out[1] == Rollback(1, 11, [8], 0, path=[1]) and sm.stats.proactive_discarded == 4
+
+
+def test_a_trigger_ends_the_proactive_chain_at_an_unsure_draft():
+    from services.dispatcher.nav_trigger import NavConfig, make_trigger
+    tp = TreePolicy()
+    sm = TreeRounds(10, 20, POLICIES["tree"], tp, lambda left: tp.request(0.05, 0, 0.005, left),
+                    proactive=8, batch=8,
+                    trigger=make_trigger("pipesd", NavConfig(r1=0.5, r2=0.5, max_length=0)))
+    (ask,) = sm.start()
+    out = sm.on_tree(10, 0, [5], [-1], [0.9], True)
+    assert out[-1] == Limit(11 + 8)
+    assert sm.on_chain(Draft(11, 8, 0.1)) == []      # the guess: not judged by the trigger
+    assert sm.on_chain(Draft(12, 9, 0.9)) == []
+    batch, nav = sm.on_chain(Draft(13, 1, 0.2))      # unsure: the chain round ends here
+    assert batch.start == 11 and len(batch.drafts) == 3 and nav.end == 14
+    assert nav.reason in ("single", "both") and sm.on_chain(Draft(14, 2, 0.9)) == []
