@@ -72,6 +72,7 @@ from common.progress import Progress
 
 POLICIES = ["cloud-only", "vanilla", "hsl", "edgellm", "pipesd", "pipesd-stream",
             "oracle-trigger"]
+TREE_POLICIES = ["tree", "tree-stream"]   # issue #14: run when named in --policies
 EDGE_QUOTA = {"s2": 0.5, "s3": 0.25}   # slower edges: the drafter's share of its one core
 LINK_OF = {"s2": "s1", "s3": "s1"}     # ... on S1's link
 
@@ -500,11 +501,11 @@ def main(argv=None) -> int:
     window = args.tune_window or (1 if args.quick else 4)
     policies = args.policies.split(",")
     try:
-        unknown = sorted({parse_policy(p)[0] for p in policies} - set(POLICIES))
+        unknown = sorted({parse_policy(p)[0] for p in policies} - set(POLICIES + TREE_POLICIES))
     except ValueError as e:
         ap.error(str(e))
     if unknown:
-        ap.error(f"unknown policies {unknown}; known: {POLICIES}")
+        ap.error(f"unknown policies {unknown}; known: {POLICIES + TREE_POLICIES}")
     uplinks = [float(x) for x in args.uplink.split(",") if x] or [None]
     if uplinks != [None] and args.scenario == "none":
         ap.error("--uplink needs an emulated link (--scenario s1, s2, s3 or lan)")

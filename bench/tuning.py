@@ -13,6 +13,9 @@ differs per policy:
                     c   its update constant, uniform in [0.05, 0.95]      default 0.5
     pipesd(-stream) r1  log-uniform in [1e-6, 1], r2 uniform in [1e-6, 1]  defaults 0.90, 0.94
                         (exactly BOTuner's space)
+    tree(-stream)   cs  cost scale of the tree's shape rule, log-uniform   default 1
+                        in [0.05, 20]
+                    m   most nodes per round, integer in [2, 64]          default 32
 
 Policies without knobs (cloud-only, oracle-trigger) are measured as they are.
 """
@@ -40,10 +43,13 @@ KNOBS: dict[str, list[tuple[str, str, float, float, str]]] = {
                ("r2", "real", R_LOW, R_HIGH, "uniform")],
 }
 KNOBS["pipesd-stream"] = KNOBS["pipesd"]
+KNOBS["tree"] = [("cs", "real", 0.05, 20.0, "log-uniform"), ("m", "int", 2, 64, "uniform")]
+KNOBS["tree-stream"] = KNOBS["tree"]
 DEFAULTS: dict[str, dict[str, float]] = {
     "vanilla": {"n": 8}, "hsl": {"r2": DEFAULT_R2}, "edgellm": {"r1": 0.5, "c": 0.5},
     "pipesd": {"r1": DEFAULT_R1, "r2": DEFAULT_R2},
     "pipesd-stream": {"r1": DEFAULT_R1, "r2": DEFAULT_R2},
+    "tree": {"cs": 1.0, "m": 32}, "tree-stream": {"cs": 1.0, "m": 32},
 }
 
 

@@ -290,24 +290,59 @@ class DraftOpen(Msg, tag="draft_open"):
     top_k: Annotated[int, msgspec.Meta(ge=1, le=64)] = 16  # sparse q width when sampling
     max_tokens: Size = 0          # positions past the prompt the session may reach (sizes its context);
     #                               0 = the drafter's default
+    tree_nodes: Annotated[int, msgspec.Meta(ge=0, le=256)] = 0
+    # ^ token trees: the most nodes one tree round of this session may have (sizes the context's
+    #   extra KV cells and sequences); 0 = chains only
+
+
+class TreeRequest(msgspec.Struct, omit_defaults=True):
+    """The shape rule of one token-tree round (common/tree_shape.py). The drafter grows the tree
+    best-first by estimated path-acceptance probability P (the product over the path of
+    q(node) × accept_scale[depth][rank]) and adds a node only while P × token_value_s >=
+    node_cost_s[n] (n = nodes so far) + depth_cost_s for a node opening a new depth, else
+    + width_cost_s; within max_nodes, max_depth and max_width children per node."""
+    max_nodes: Annotated[int, msgspec.Meta(ge=1, le=256)]
+    max_depth: Annotated[int, msgspec.Meta(ge=1, le=256)]
+    max_width: Annotated[int, msgspec.Meta(ge=1, le=16)] = 4
+    token_value_s: Seconds = 0.0        # what one more accepted token saves (the TPT)
+    node_cost_s: Annotated[list[Seconds], msgspec.Meta(max_length=256)] = \
+        msgspec.field(default_factory=list)   # marginal verify cost of node n+1; last repeats
+    depth_cost_s: Seconds = 0.0         # one more drafter decode (a new depth)
+    width_cost_s: Seconds = 0.0         # one more node in a depth that is decoded anyway
+    accept_scale: Annotated[list[Annotated[float, msgspec.Meta(ge=0.0, le=16.0)]],
+                            msgspec.Meta(max_length=256)] = msgspec.field(default_factory=list)
+    # ^ row-major [depth][rank] (rows of max_width; missing entries = 1): measured acceptance over
+    #   q at that depth and sibling rank, the calibration of q as an acceptance estimate
 
 
 class DraftRequest(Msg, tag="draft"):
     """Draft `n` more tokens after the current end of the session's context, or, with `until`
     > 0, keep drafting until the context holds `until` tokens (absolute; pauses there). Tokens
     stream back one DraftTokens message each, tagged with `seq` = the drafter epoch (the seq of
-    the last DraftRollback), so the dispatcher can drop tokens drafted before a rollback."""
+    the last DraftRollback), so the dispatcher can drop tokens drafted before a rollback.
+
+    With `tree`: draft one token-tree round rooted at the current end of the context (its
+    nodes stream back one DraftTokens per depth, with `parents`; the last has `tree_done`),
+    then go on as a chain along the tree's main path up to `until` (proactive drafting)."""
     n: Size = 0
     until: Size = 0
+    tree: TreeRequest | None = None
 
 
 class DraftTokens(Msg, tag="draft_tokens"):
+    """Drafted tokens at positions start, start+1, ... (a chain), or, with `parents`, nodes
+    first_node, first_node+1, ... of a tree round whose root children sit at `start`
+    (DESIGN.md §3's tree format: parents[i] = -1 for a root child, else a round-global index
+    < first_node + i). q_ids/q_probs row i = the sparse q node i was drawn from."""
     start: Size
     token_ids: list[TokenId]
     probs: list[Probability]
     seconds: Seconds = 0.0    # drafter compute time for these tokens (γ estimation)
     q_ids: TensorRef | None = None
     q_probs: TensorRef | None = None
+    parents: list[Annotated[int, msgspec.Meta(ge=-1, le=MAX_ID)]] | None = None
+    first_node: Size = 0
+    tree_done: bool = False   # the tree round's last message (it may carry no node)
 
 
 class DraftRollback(Msg, tag="draft_rollback"):
@@ -317,6 +352,9 @@ class DraftRollback(Msg, tag="draft_rollback"):
     keep: Size
     append: list[TokenId] = msgspec.field(default_factory=list)
     until: Size = 0
+    path: list[Size] = msgspec.field(default_factory=list)
+    # ^ after a tree round: its accepted node indices, root to leaf; the context's tokens from
+    #   the round's start become that path's (then keep/append apply as for a chain)
 
 
 # --- dispatcher <-> prefix / suffix: split mode ---------------------------------------------

@@ -32,6 +32,20 @@ class SpecConfig:
     beta_s: float = setting(0.0002, "β seed: per-token transmission cost before measurements",
                             ge=0)
     gamma_s: float = setting(0.015, "γ seed: drafter seconds per token before measurements", ge=0)
+    tree_nodes: int = setting(32, "tree policies: most nodes per round (knob m; the drafter's "
+                                  "max_tree_nodes caps it)", ge=1, le=256)
+    tree_depth: int = setting(16, "tree policies: most depths per round", ge=1, le=256)
+    tree_width: int = setting(4, "tree policies: most children per node", ge=1, le=16)
+    tree_cost_scale: float = setting(1.0, "tree policies: every node/depth cost × this before "
+                                          "it is weighed against its gain (knob cs)", gt=0)
+    tree_proactive: int = setting(8, "tree policies: tokens of the proactive chain drafted "
+                                     "along the main path while a tree is verified; 0 = none",
+                                  ge=0)
+    tree_proactive_trigger: bool = setting(
+        False, "tree policies: end that proactive chain at PipeSD's dual threshold (r1, r2) "
+               "too, not only at tree_proactive tokens")
+    tree_node_cost_s: float = setting(0.002, "tree policies: verify seconds per node before "
+                                             "the verify-cost curve is measured", ge=0)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

@@ -53,6 +53,8 @@ from services.dispatcher.link_model import DraftSpeed, DraftSpeedConfig, LinkMod
 from services.dispatcher.nav_trigger import DraftWindow, NavConfig, make_trigger
 from services.dispatcher.spec_session import (POLICIES, Draft, Emit, Hooks, Limit, Rollback,
                                               SendBatch, SendNav, SpecError, SpecRounds)
+from services.dispatcher.tree_policy import TreePolicy, TreePolicyConfig
+from services.dispatcher.tree_session import AskTree, TreeRounds
 
 log = logging.getLogger("tandem.dispatcher.spec")
 SERVICE = "dispatcher"
@@ -68,11 +70,22 @@ class Edge:
         self.speed = DraftSpeed(DraftSpeedConfig(gamma_seed=cfg.spec.gamma_s))
         self.windows: dict[str, DraftWindow] = {}
         self.tuners: dict[str, BOTuner] = {}
+        self.trees: dict[str, TreePolicy] = {}
         self.tuner_lock = threading.Lock()   # record() runs on a worker thread (GP fits)
         self.cfg = cfg
 
     def window(self, policy: str) -> DraftWindow:
         return self.windows.setdefault(policy, DraftWindow())
+
+    def tree(self, policy: str) -> TreePolicy:
+        """The tree policy's measurements (acceptance per depth and rank, verify-cost curve,
+        TPT), shared by its sessions."""
+        if policy not in self.trees:
+            c = self.cfg.spec
+            self.trees[policy] = TreePolicy(TreePolicyConfig(
+                max_nodes=c.tree_nodes, max_depth=c.tree_depth, max_width=c.tree_width,
+                cost_scale=c.tree_cost_scale, node_cost_seed_s=c.tree_node_cost_s))
+        return self.trees[policy]
 
     def tuner(self, policy: str) -> BOTuner:
         if policy not in self.tuners:
@@ -132,7 +145,9 @@ POLICY_KNOBS = {"pipesd": {"r1": (0.0, 1.0), "r2": (0.0, 1.0)},
                 "hsl": {"r2": (0.0, 1.0)},
                 "edgellm": {"r1": (0.0, 1.0), "c": (0.0, 0.999999)},
                 "vanilla": {"n": (0.0, 1024.0)},
-                "oracle-trigger": {}}
+                "oracle-trigger": {},
+                "tree": {"cs": (0.0, 1024.0), "m": (0.0, 64.0)}}   # m: the drafter's max_tree_nodes default
+WHOLE_KNOBS = ("n", "m")   # knobs that count something
 
 
 def check_knobs(policy, knobs: dict | None) -> None:
@@ -146,10 +161,10 @@ def check_knobs(policy, knobs: dict | None) -> None:
                                 f"policy_knobs: {policy.name} has no knob {k!r}; its knobs: "
                                 f"{sorted(allowed) or 'none'}", field="policy_knobs")
         lo, hi = allowed[k]
-        if not lo < v <= hi or (k == "n" and v != int(v)):
+        if not lo < v <= hi or (k in WHOLE_KNOBS and v != int(v)):
             raise ProtocolError(protocol.BAD_FIELD,
                                 f"policy_knobs: {k}={v!r} outside ({lo:g}, {hi:g}]"
-                                + (" or not a whole number" if k == "n" else ""),
+                                + (" or not a whole number" if k in WHOLE_KNOBS else ""),
                                 field="policy_knobs")
 
 
@@ -202,6 +217,8 @@ class SpecRun:
         self.vsid = req.sid
         self.vsrc = "v"
         self.last_v = 0.0   # last sign of life of the verifier session (or the last NAV sent)
+        self.nav_at: dict[int, float] = {}     # tree rounds: when each round's NAV went out
+        self.ask_at: dict[int, float] = {}     # tree rounds: when each round was asked for
 
     # --- setup ---------------------------------------------------------------------------------
     def _reader(self, ch, src: str) -> asyncio.Task:
@@ -237,9 +254,24 @@ class SpecRun:
             trig.set_thresholds(r1, r2)
         return trig
 
+    def _tree_nodes(self) -> int:
+        knobs = self.req.msg.policy_knobs or {}
+        return int(knobs.get("m", self.cfg.spec.tree_nodes))
+
+    def _tree_shape(self, depth_left: int) -> protocol.TreeRequest:
+        """The next tree round's shape rule, from what this dispatcher measured."""
+        rtt = self.vpeer.rtt if math.isfinite(self.vpeer.rtt) else 0.0
+        _, beta, gamma = self._params()
+        knobs = dict(self.req.msg.policy_knobs or {})
+        knobs["m"] = self._tree_nodes()
+        return self.edge.tree(self.policy.name).request(rtt, beta, gamma, depth_left, knobs)
+
     async def run(self) -> None:
-        req, d = self.req, self.d
+        req = self.req
         self.vpeer = await self.rec.connect()
+        if self.policy.tree:
+            await self._run()
+            return
         trigger = self._trigger()
         if self.policy.name == "oracle-trigger":
             t = time.monotonic()
@@ -250,6 +282,19 @@ class SpecRun:
                              BatchPlanner(), self.edge.window(self.policy.name), self._params,
                              self.cfg.spec.lookahead, MetricHooks(self.policy.name, self.edge),
                              depth=self.cfg.spec.proactive_depth)
+        await self._run()
+
+    async def _run(self) -> None:
+        req, d = self.req, self.d
+        if self.policy.tree:
+            self.sm = TreeRounds(len(req.prompt_ids), req.max_tokens, self.policy,
+                                 self.edge.tree(self.policy.name), self._tree_shape,
+                                 MetricHooks(self.policy.name, self.edge),
+                                 proactive=self.cfg.spec.tree_proactive,
+                                 batch=self.edge.window(self.policy.name).value,
+                                 trigger=make_trigger("pipesd", NavConfig(
+                                     r1=self.cfg.spec.r1, r2=self.cfg.spec.r2, max_length=0))
+                                 if self.cfg.spec.tree_proactive_trigger else None)
         self.vch = self.vpeer.channel()
         self._reader(self.vch, self.vsrc)
         await self.vch.send(protocol.SpecOpen(sid=self.vsid, seq=OPEN_SEQ, token_ids=req.prompt_ids,
@@ -263,7 +308,8 @@ class SpecRun:
             self._reader(self.dch, "d")
             await self.dch.send(protocol.DraftOpen(
                 sid=req.sid, seq=OPEN_SEQ, token_ids=req.prompt_ids, sampling=req.sampling,
-                top_k=self.cfg.spec.q_width, max_tokens=req.max_tokens))
+                top_k=self.cfg.spec.q_width, max_tokens=req.max_tokens,
+                tree_nodes=self._tree_nodes() if self.policy.tree else 0))
         else:
             log.warning("drafter at %s is down: %s goes on with the target alone",
                         d.drafter.endpoint, req.sid)
@@ -375,10 +421,31 @@ class SpecRun:
         if isinstance(msg, protocol.VerifyResult):
             self.forwards = max(self.forwards, msg.forwards)
             try:
-                actions = self.sm.on_result(msg.round, msg.start, msg.accepted, msg.token, msg.early)
+                if self.policy.tree:
+                    self._tree_timing(msg)
+                    actions = self.sm.on_result(msg.round, msg.start, msg.accepted, msg.token,
+                                                msg.early, msg.path)
+                else:
+                    actions = self.sm.on_result(msg.round, msg.start, msg.accepted, msg.token,
+                                                msg.early)
             except SpecError as e:
                 raise PeerError(protocol.INTERNAL, str(e)) from None
             await self.act(actions)
+
+    def _tree_timing(self, msg: protocol.VerifyResult) -> None:
+        """Feed the tree policy: the verifier's time for the round's nodes (NAV to result minus
+        the round trip) and the round's wall time per committed token."""
+        sm, now = self.sm, time.monotonic()
+        r = sm.rounds[0] if sm.rounds and sm.rounds[0].id == msg.round else None
+        if r is None:
+            return
+        tree = self.edge.tree(self.policy.name)
+        nav = self.nav_at.pop(msg.round, None)
+        if nav is not None and not msg.early and math.isfinite(self.vpeer.rtt):
+            tree.observe_verify(r.sent, max(0.0, now - nav - self.vpeer.rtt))
+        asked = self.ask_at.pop(msg.round, None)
+        if asked is not None:
+            tree.observe_commit(now - asked, msg.accepted + 1)
 
     async def on_drafter(self, msg, frames) -> None:
         if not self.drafter_alive:
@@ -402,7 +469,26 @@ class SpecRun:
             q_ids = protocol.tensor_numpy(msg.q_ids, frames)
             q_probs = protocol.tensor_numpy(msg.q_probs, frames)
         if self.edge_only:
-            await self.emit_degraded(msg)
+            if msg.parents is None:      # a tree round still in flight is not the stream
+                await self.emit_degraded(msg)
+            return
+        if self.policy.tree:
+            try:
+                if msg.parents is None:   # the proactive chain along a tree's main path
+                    actions = []
+                    for i, (t, p) in enumerate(zip(msg.token_ids, msg.probs)):
+                        actions += self.sm.on_chain(Draft(
+                            msg.start + i, t, p, None if q_ids is None else q_ids[i],
+                            None if q_probs is None else q_probs[i]))
+                else:
+                    actions = self.sm.on_tree(msg.start, msg.first_node, msg.token_ids,
+                                              msg.parents, msg.probs, msg.tree_done, q_ids,
+                                              q_probs)
+            except SpecError as e:
+                await self.on_drafter(protocol.Error(code=protocol.INTERNAL, message=str(e)),
+                                      frames)
+                return
+            await self.act(actions)
             return
         actions = []
         for i, (t, p) in enumerate(zip(msg.token_ids, msg.probs)):
@@ -427,13 +513,20 @@ class SpecRun:
                 self.seq += 1
                 if not self.sm.rounds or self.sm.rounds[0].id == a.round:
                     self.last_v = time.monotonic()   # the stall clock starts at the NAV
+                self.nav_at[a.round] = time.monotonic()
                 await self.vch.send(protocol.VerifyRequest(sid=self.vsid, seq=self.seq,
-                                                           round=a.round, end=a.end))
+                                                           round=a.round, end=a.end,
+                                                           nodes=a.nodes))
             elif isinstance(a, Rollback):
                 if self.drafter_alive:
                     await self.dch.send(protocol.DraftRollback(sid=req.sid, seq=a.epoch,
                                                                keep=a.keep, append=a.append,
-                                                               until=a.until))
+                                                               until=a.until, path=a.path))
+            elif isinstance(a, AskTree):
+                self.ask_at[a.round] = time.monotonic()
+                if self.drafter_alive:
+                    await self.dch.send(protocol.DraftRequest(sid=req.sid, seq=a.epoch,
+                                                              tree=a.request, until=a.until))
             elif isinstance(a, Limit):
                 if self.drafter_alive:
                     await self.dch.send(protocol.DraftRequest(sid=req.sid, seq=self.sm.epoch,
@@ -443,7 +536,8 @@ class SpecRun:
         self.seq += 1
         msg = protocol.DraftBatch(sid=self.vsid, seq=self.seq, round=b.round, start=b.start,
                                   token_ids=[x.token for x in b.drafts],
-                                  probs=[x.prob for x in b.drafts], parent=b.parent)
+                                  probs=[x.prob for x in b.drafts], parent=b.parent,
+                                  parents=b.parents, first_node=b.first_node)
         buffers = []
         if b.drafts and b.drafts[0].q_ids is not None:
             msg.q_ids, ids = protocol.tensor_frame(np.stack([x.q_ids for x in b.drafts]), 0)
@@ -499,6 +593,9 @@ class SpecRun:
         self.next_degraded += len(tokens)
         if tokens:
             await self._emit_degraded(tokens)
+        if self.policy.tree:     # back to the committed tokens, a chain from there
+            await self.act(sm.edge_only())
+            return
         final = len(self.req.prompt_ids) + self.req.max_tokens
         await self.dch.send(protocol.DraftRequest(sid=self.req.sid, seq=sm.epoch, until=final))
 

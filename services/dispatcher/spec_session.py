@@ -49,6 +49,7 @@ class Policy:
     proactive: bool     # keep drafting and sending while a NAV is in flight
     stream: bool        # streaming verification with early reject on the verifier
     bo: bool            # BO autotuner moves (R1, R2) on live traffic
+    tree: bool = False  # token-tree rounds (tree_session.TreeRounds) instead of chains
 
 
 POLICIES = {
@@ -63,6 +64,11 @@ POLICIES = {
     # tokens it knows are lost (3-4 % of its TPT in an S1 run, the drafter sharing its core).
     "oracle-trigger": Policy("oracle-trigger", "oracle-trigger", dp=True, proactive=False,
                              stream=False, bo=False),
+    # Token trees (issue #14): the tree's shape ends a round (no NAV trigger); each depth's
+    # nodes go out as they are drafted; knobs "cs" (cost scale) and "m" (max nodes)
+    "tree": Policy("tree", "tree", dp=True, proactive=True, stream=False, bo=False, tree=True),
+    "tree-stream": Policy("tree-stream", "tree", dp=True, proactive=True, stream=True, bo=False,
+                          tree=True),
 }
 
 
@@ -93,6 +99,8 @@ class SendBatch:
     parent: int
     start: int
     drafts: list[Draft]
+    parents: list[int] | None = None   # tree rounds: each node's parent (wire format)
+    first_node: int = 0
 
 
 @dataclass
@@ -100,6 +108,7 @@ class SendNav:
     round: int
     end: int
     reason: str
+    nodes: int = 0     # tree rounds: verify nodes [0, nodes)
 
 
 @dataclass
@@ -113,6 +122,7 @@ class Rollback:
     keep: int
     append: list[int]
     until: int
+    path: list[int] = field(default_factory=list)   # after a tree round: its accepted path
 
 
 @dataclass

@@ -12,4 +12,7 @@ class DrafterConfig(ServiceConfig):
     max_lookahead: int = setting(
         128, "one request never lets a session draft more than this past its end", ge=1)
     max_sessions: int = setting(64, "contexts held at once (each ~25 MB per 1k tokens of context)", ge=1)
+    max_tree_nodes: int = setting(
+        64, "most nodes one token-tree round may have (DraftOpen.tree_nodes asks up to this)",
+        ge=1, le=256)
     verbose_llama: bool = setting(False, "let llama.cpp log to stderr")

@@ -15,6 +15,19 @@ never depend on timing), reads the last logits row and appends one draft token.
 from there, so drafts after a rollback are exactly those of a session that never drafted past
 `keep` (tests/integration/test_drafter.py checks it).
 
+Token trees (issue #14; DraftSession.tree_begin / tree_step): a session opened with
+`tree_nodes` > 0 gets a unified KV cache with tree_nodes + 1 sequences and room for the nodes.
+Sequence 0 is the session's context; a tree round grows one depth per llama_decode, every node
+of that depth in the batch. A node continues its parent's sequence if it is the parent's first
+decoded child, else it gets a fresh sequence made by `llama_memory_seq_cp` of the parent's (a
+cell-sharing copy in a unified cache: no KV is duplicated), so each sequence is one root-to-node
+path and the main path (every node's rank-0 child) lives in sequence 0. After the round the
+context holds the main path. A rollback naming the accepted path moves that path's cells into
+sequence 0 (`seq_rm` of sequence 0 past the divergence, `seq_cp` of the branch's cells over that
+range: cheap, no re-decode) and frees every other sequence; nodes of the path that were never
+decoded (the last depth) are evaluated later like any appended token. common/tree_shape.py
+chooses the shape.
+
 Greedy: the draft is the argmax; P(D_n) its softmax probability. Sampling: the draft is drawn
 from a *truncated* distribution q (temperature, then the top-k with k <= 64, then top-p), and q
 travels sparse as (ids, probs) so the verifier can do exact speculative sampling against it;
@@ -33,6 +46,7 @@ import numpy as np
 import llama_cpp as L
 
 from common.protocol import Sampling
+from common.tree_shape import ROOT, Shape, TreeGrower
 
 MAX_Q_WIDTH = 64   # the widest sparse q the protocol carries (DESIGN.md §3: k <= 64)
 
@@ -88,6 +102,20 @@ class Draft:
     q_probs: np.ndarray | None = None  # float32 [k]: q on that support, sums to 1
 
 
+@dataclass
+class TreeDepth:
+    """The nodes one tree step added (round-global indices first_node..), in wire order."""
+    start: int                       # position of the round's root children
+    first_node: int
+    tokens: list[int]
+    parents: list[int]
+    probs: list[float]
+    seconds: float
+    done: bool                       # the round is complete (this may add no node)
+    q_ids: np.ndarray | None = None  # int32 [n, k]: each node's parent's sparse q (sampling)
+    q_probs: np.ndarray | None = None
+
+
 class DraftModel:
     """A GGUF model loaded once and shared by every session's context."""
 
@@ -105,8 +133,8 @@ class DraftModel:
         self.threads = threads
 
     def session(self, prompt: list[int], n_ctx: int, sampling: Sampling,
-                q_width: int = 16, n_batch: int = 256) -> "DraftSession":
-        return DraftSession(self, prompt, n_ctx, sampling, q_width, n_batch)
+                q_width: int = 16, n_batch: int = 256, tree_nodes: int = 0) -> "DraftSession":
+        return DraftSession(self, prompt, n_ctx, sampling, q_width, n_batch, tree_nodes)
 
     def close(self) -> None:
         if self.model:
@@ -118,7 +146,7 @@ class DraftSession:
     """One session's llama.cpp context, its token list and its position in the KV cache."""
 
     def __init__(self, model: DraftModel, prompt: list[int], n_ctx: int, sampling: Sampling,
-                 q_width: int, n_batch: int):
+                 q_width: int, n_batch: int, tree_nodes: int = 0):
         if not prompt:
             raise DraftError("empty prompt")
         bad = [t for t in prompt if not 0 <= t < model.n_vocab]
@@ -133,12 +161,17 @@ class DraftSession:
         self.q_width = max(1, min(MAX_Q_WIDTH, int(q_width)))
         if sampling.top_k > 0:
             self.q_width = min(self.q_width, sampling.top_k)
+        self.tree_nodes = max(0, int(tree_nodes))
         cparams = L.llama_context_default_params()
-        cparams.n_ctx = self.n_ctx
-        self.n_batch = max(1, min(n_batch, self.n_ctx))
+        # a tree's nodes need cells beside the context's (twice as many: a round's branches are
+        # freed only when the next rollback arrives, and a proactive chain grows meanwhile)
+        cparams.n_ctx = self.n_ctx + 2 * self.tree_nodes
+        self.n_batch = max(1, min(max(n_batch, self.tree_nodes), self.n_ctx))
         cparams.n_batch = self.n_batch
         cparams.n_ubatch = self.n_batch
-        cparams.n_seq_max = 1
+        cparams.n_seq_max = self.tree_nodes + 1
+        # one cache for every sequence: a seq_cp then shares cells instead of copying a stream
+        cparams.kv_unified = self.tree_nodes > 0
         if model.threads:
             cparams.n_threads = model.threads
             cparams.n_threads_batch = model.threads
@@ -156,6 +189,11 @@ class DraftSession:
         self.n_past = 0
         self.seed_base = sampling.seed if sampling.seed is not None else \
             int(np.random.SeedSequence().entropy % (2**63))
+        self.tree: TreeGrower | None = None   # the tree round being grown, or the last one
+        self.tree_start = 0
+        self.node_seq: list[int] = []         # the sequence holding each decoded node, else -1
+        self.seqs_used = 0                    # sequences 1..seqs_used hold branches
+        self.tree_pending: list[int] = []     # nodes grown but not decoded yet (last depth)
 
     # --- the KV cache ---------------------------------------------------------------------------
     def _eval(self, upto: int) -> np.ndarray:
@@ -217,8 +255,14 @@ class DraftSession:
                 raise DraftError(f"llama.cpp refused to truncate the KV cache to {n}")
             self.n_past = n
 
-    def rollback(self, keep: int, append: list[int]) -> None:
-        """Keep the first `keep` tokens of the context, then append `append`."""
+    def rollback(self, keep: int, append: list[int], path: list[int] | None = None) -> None:
+        """Keep the first `keep` tokens of the context, then append `append`. With `path` (node
+        indices of the last tree round, root to leaf), the context from the round's start is
+        first that path's tokens."""
+        if path:
+            self._take_path(list(path))
+        elif self.tree is not None:
+            self.tree_abort()
         if not 1 <= keep <= len(self.tokens):
             raise DraftError(f"rollback keep={keep} outside [1, {len(self.tokens)}]")
         bad = [t for t in append if not 0 <= t < self.model.n_vocab]
@@ -228,6 +272,159 @@ class DraftSession:
             raise DraftError(f"rollback to {keep + len(append)} tokens overflows the context")
         self.tokens = self.tokens[:keep] + list(append)
         self._truncate(min(self.n_past, keep))
+
+    # --- token trees ----------------------------------------------------------------------------
+    def tree_begin(self, shape: Shape) -> TreeDepth:
+        """Start a tree round rooted at the end of the context: its root children."""
+        if self.tree_nodes <= 0:
+            raise DraftError("this session was opened without tree_nodes: it drafts chains only")
+        if shape.max_nodes > self.tree_nodes:
+            raise DraftError(f"tree of {shape.max_nodes} nodes > the session's tree_nodes "
+                             f"{self.tree_nodes}")
+        if len(self.tokens) >= self.n_ctx:
+            raise DraftError(f"context full ({self.n_ctx} tokens)")
+        t = time.perf_counter()
+        self.tree_abort()
+        if self.n_past >= len(self.tokens):      # the last token's logits are gone: re-feed it
+            self._truncate(len(self.tokens) - 1)
+        logits = self._eval(len(self.tokens))
+        self.tree_start = len(self.tokens)
+        shape.max_depth = min(shape.max_depth, self.n_ctx - self.tree_start)
+        self.tree = TreeGrower(shape)
+        self.node_seq = []
+        self.tree.offer(ROOT, *self._children(logits, self.tree_start, shape.max_width))
+        return self._grown(self.tree.grow(), t)
+
+    def tree_step(self) -> TreeDepth:
+        """Decode the last depth's nodes (one batch) and grow the next depth from them."""
+        g = self.tree
+        if g is None or not self.tree_pending:
+            raise DraftError("no tree round in progress")
+        t = time.perf_counter()
+        if not g.worth_decoding():
+            return self._grown([], t)
+        frontier = self.tree_pending
+        b = self.batch
+        b.n_tokens = len(frontier)
+        taken: set[int] = set()
+        for j, i in enumerate(frontier):
+            node = g.nodes[i]
+            parent_seq = 0 if node.parent == ROOT else self.node_seq[node.parent]
+            if parent_seq in taken:
+                self.seqs_used += 1
+                seq = self.seqs_used
+                L.llama_memory_seq_cp(self.mem, parent_seq, seq, -1, -1)
+            else:
+                seq = parent_seq
+                taken.add(parent_seq)
+            self.node_seq[i] = seq
+            b.token[j] = node.token
+            b.pos[j] = self.tree_start + node.depth
+            b.n_seq_id[j] = 1
+            b.seq_id[j][0] = seq
+            b.logits[j] = 1
+        rc = L.llama_decode(self.ctx, b)
+        if rc != 0:
+            raise DraftError(f"llama_decode of {len(frontier)} tree nodes failed with code {rc}")
+        depth = g.nodes[frontier[0]].depth
+        position = self.tree_start + depth + 1
+        for j, i in enumerate(frontier):
+            row = np.ctypeslib.as_array(L.llama_get_logits_ith(self.ctx, j),
+                                        shape=(self.model.n_vocab,))
+            g.offer(i, *self._children(row, position, g.shape.max_width))
+        if g.nodes[frontier[0]].parent == ROOT or self._on_main(frontier[0]):
+            self.n_past = self.tree_start + depth + 1   # sequence 0 grew by the main node
+        return self._grown(g.grow(), t)
+
+    def _on_main(self, i: int) -> bool:
+        return i in set(self.tree.main_path())
+
+    def _grown(self, added: list[int], t: float) -> TreeDepth:
+        g = self.tree
+        self.node_seq += [-1] * len(added)
+        self.tree_pending = added
+        done = not added or g.done or not g.worth_decoding()
+        nodes = [g.nodes[i] for i in added]
+        first = added[0] if added else len(g.nodes)
+        d = TreeDepth(self.tree_start, first, [n.token for n in nodes],
+                      [n.parent for n in nodes], [min(1.0, n.prob) for n in nodes], 0.0, done)
+        if not self.greedy and nodes:
+            d.q_ids = np.stack([n.row[0] for n in nodes])
+            d.q_probs = np.stack([n.row[1] for n in nodes])
+        if done:
+            self.tree_pending = []
+            self.tokens = self.tokens[:self.tree_start] + [g.nodes[i].token
+                                                           for i in g.main_path()]
+        d.seconds = time.perf_counter() - t
+        return d
+
+    def _children(self, logits: np.ndarray, position: int, width: int):
+        """A node's candidate children in rank order, (token, q) each, and the q row they were
+        drawn from (sampling). Greedy: the top-`width` of the softmax. Sampling: `width` draws
+        without replacement from the truncated q, draw r keyed by (seed, position, r); draw 0
+        is the chain's own draw at that position."""
+        if self.greedy:
+            width = min(width, logits.shape[0])
+            top = np.argpartition(-logits, width - 1)[:width]
+            top = top[np.argsort(-logits[top], kind="stable")]
+            m = float(logits[top[0]])
+            z = float(np.exp(logits - m, dtype=np.float32).sum(dtype=np.float64))
+            return [(int(t), float(np.exp(float(logits[t]) - m) / z)) for t in top], None
+        ids, probs = _truncated(logits, self.sampling, self.q_width)
+        left = probs.astype(np.float64)
+        out = []
+        for r in range(min(width, int(np.count_nonzero(left)))):
+            key = [self.seed_base, position, 0x7A9D] + ([r] if r else [])
+            rng = np.random.Generator(np.random.PCG64(key))
+            k = int(rng.choice(len(ids), p=left / left.sum()))
+            out.append((int(ids[k]), float(probs[k])))
+            left[k] = 0.0
+        return out, (ids, probs)
+
+    def tree_abort(self) -> None:
+        """Forget the tree round (its branches' cells freed); the context keeps what it has."""
+        for seq in range(1, self.seqs_used + 1):
+            L.llama_memory_seq_rm(self.mem, seq, -1, -1)
+        self.seqs_used = 0
+        if self.tree is not None and self.tree_pending:
+            # aborted mid-round: the context never took the main path; drop its decoded cells
+            self.tokens = self.tokens[:self.tree_start]
+            self._truncate(self.tree_start)
+        self.tree = None
+        self.tree_pending = []
+        self.node_seq = []
+
+    def _take_path(self, path: list[int]) -> None:
+        """Make the context [0, tree_start) + the accepted path's tokens, its decoded cells in
+        sequence 0; every branch is freed."""
+        g = self.tree
+        if g is None or self.tree_pending:
+            raise DraftError("rollback names a tree path but no finished tree round is held")
+        for k, i in enumerate(path):
+            if not 0 <= i < len(g.nodes):
+                raise DraftError(f"path[{k}] = {i}: the tree round has {len(g.nodes)} nodes")
+            want = ROOT if k == 0 else path[k - 1]
+            if g.nodes[i].parent != want:
+                raise DraftError(f"path[{k}] = {i} is not a child of {want}")
+        main = g.main_path()
+        j = 0
+        while j < len(path) and j < len(main) and path[j] == main[j]:
+            j += 1
+        start = self.tree_start
+        if j < len(path):
+            decoded = [k for k in range(j, len(path)) if self.node_seq[path[k]] >= 0]
+            L.llama_memory_seq_rm(self.mem, 0, start + j, -1)
+            if decoded:
+                last = decoded[-1]
+                seq = self.node_seq[path[last]]
+                L.llama_memory_seq_cp(self.mem, seq, 0, start + j, start + last + 1)
+                self.n_past = start + last + 1
+            else:
+                self.n_past = min(self.n_past, start + j)
+        self.tokens = self.tokens[:start] + [g.nodes[i].token for i in path]
+        self._truncate(min(self.n_past, len(self.tokens)))   # a proactive chain past the path
+        self.tree = None
+        self.tree_abort()
 
     def close(self) -> None:
         if self.batch is not None:

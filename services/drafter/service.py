@@ -5,6 +5,9 @@ Protocol (DESIGN.md §3; all messages of a session share the dispatcher's channe
     DraftOpen(token_ids, sampling)    -> Ack once the prompt is in the session's KV cache
     DraftRequest(until | n)           -> DraftTokens, one message per token, as each is drafted
     DraftRollback(seq=epoch, keep, append, until)   truncate, append the target's token, go on
+    DraftRequest(tree=TreeRequest, until)  -> one DraftTokens per tree depth (parents, first_node;
+                                      the last with tree_done), then a chain on the main path
+    DraftRollback(..., path)          after a tree round: the accepted path becomes the context
     Close                             -> Ack; the context is freed
 
 Streaming, not request/response: the dispatcher raises the session's limit (`until` = committed
@@ -21,10 +24,12 @@ import asyncio
 import math
 
 from common import metrics, protocol
+from common.tree_shape import Shape
 from common.protocol import Msg, ProtocolError
 from common.runtime import Service, Session
 from services.drafter.config import DrafterConfig
-from services.drafter.engine import MAX_Q_WIDTH, DraftError, DraftModel, DraftSession
+from services.drafter.engine import (MAX_Q_WIDTH, DraftError, DraftModel, DraftSession,
+                                     TreeDepth)
 
 
 class DrafterSession(Session):
@@ -38,10 +43,13 @@ class DrafterSession(Session):
         self.epoch = 0           # seq of the last rollback: tags every DraftTokens
         self.limit = 0           # draft while len(context) < limit
         self.pending: list[Msg] = []   # rollbacks / requests that arrived during a step, in order
+        self.tree: protocol.DraftRequest | None = None   # a tree round asked for / being grown
+        self.tree_started = False
+        self.tree_until = 0            # after the tree: draft its main path on up to this
 
     def wants_step(self) -> bool:
         return not self.closed and not self.busy and (
-            not self.prefilled or len(self.draft.tokens) < self.limit)
+            not self.prefilled or self.tree is not None or len(self.draft.tokens) < self.limit)
 
 
 class Drafter(Service):
@@ -70,10 +78,16 @@ class Drafter(Service):
         self.spawn_loop("draft", self.draft_loop())
 
     async def teardown(self) -> None:
-        for s in list(self.sessions.values()):
-            self._free(s)
-        if self.model is not None:
-            self.model.close()
+        # a step may still run on the compute thread (its session closed meanwhile): freeing
+        # the model under it crashed the process; wait for it
+        await asyncio.to_thread(self._compute_lock.acquire)
+        try:
+            for s in list(self.sessions.values()):
+                self._free(s)
+            if self.model is not None:
+                self.model.close()
+        finally:
+            self._compute_lock.release()
 
     # --- handlers -------------------------------------------------------------------------------
     async def on_open(self, ident: bytes, msg: protocol.DraftOpen, frames) -> None:
@@ -92,9 +106,13 @@ class Drafter(Service):
         if n_ctx > self.model.n_ctx_train:
             raise ProtocolError(protocol.TOO_LARGE, f"{n_ctx} positions > the drafter's trained "
                                                     f"context {self.model.n_ctx_train}")
+        if msg.tree_nodes > self.cfg.max_tree_nodes:
+            raise ProtocolError(protocol.TOO_LARGE, f"tree_nodes {msg.tree_nodes} > this "
+                                f"drafter's max_tree_nodes {self.cfg.max_tree_nodes}",
+                                field="tree_nodes")
         try:
             draft = self.model.session(list(msg.token_ids), n_ctx, s, msg.top_k,
-                                       self.cfg.n_batch)
+                                       self.cfg.n_batch, msg.tree_nodes)
         except DraftError as e:
             raise ProtocolError(protocol.BAD_FIELD, str(e)) from None
         sess = DrafterSession(msg.sid, ident, msg.rid, msg.seq, draft)
@@ -106,14 +124,31 @@ class Drafter(Service):
     async def on_request(self, ident: bytes, msg: protocol.DraftRequest, frames) -> None:
         s = self.sessions.find(msg)
         s.ident, s.rid = ident, msg.rid
+        if msg.tree is not None:
+            t = msg.tree
+            if not s.draft.tree_nodes:
+                raise ProtocolError(protocol.BAD_FIELD, "a tree round in a session opened "
+                                    "without tree_nodes", field="tree")
+            if t.max_nodes > s.draft.tree_nodes:
+                raise ProtocolError(protocol.TOO_LARGE, f"tree.max_nodes {t.max_nodes} > the "
+                                    f"session's tree_nodes {s.draft.tree_nodes}",
+                                    field="tree.max_nodes")
         if s.busy:
             s.pending.append(msg)   # after the step, and after any rollback queued before it
         else:
             self._request(s, msg)
 
     def _request(self, s: DrafterSession, msg: protocol.DraftRequest) -> None:
-        if msg.seq >= s.epoch:       # else it was sent before a rollback already applied
+        if msg.seq < s.epoch:        # sent before a rollback already applied
+            return
+        if msg.tree is not None:
+            s.tree, s.tree_started, s.tree_until = msg, False, msg.until
+            s.limit = len(s.draft.tokens)   # no chain step until the tree is done
+            self.wakeup.set()
+        elif s.tree is None:
             self._set_limit(s, msg.until, msg.n)
+        else:
+            s.tree_until = msg.until   # applies once the tree round is done
 
     async def on_rollback(self, ident: bytes, msg: protocol.DraftRollback, frames) -> None:
         s = self.sessions.find(msg)
@@ -127,10 +162,12 @@ class Drafter(Service):
             await self._apply_rollback(s, msg)
 
     async def _apply_rollback(self, s: DrafterSession, msg: protocol.DraftRollback) -> None:
+        s.tree = None                  # a tree round in progress is abandoned
         try:
-            s.draft.rollback(msg.keep, list(msg.append))
+            s.draft.rollback(msg.keep, list(msg.append), list(msg.path))
         except DraftError as e:
-            await self.error(s.ident, msg, protocol.BAD_FIELD, str(e))
+            await self.error(s.ident, msg, protocol.BAD_FIELD, str(e),
+                             field="path" if msg.path else "keep")
             return
         s.epoch = msg.seq
         s.limit = len(s.draft.tokens)
@@ -185,6 +222,12 @@ class Drafter(Service):
             if not s.prefilled:
                 seconds = await self.compute(s.draft.prefill)
                 result = None
+            elif s.tree is not None:
+                if s.tree_started:
+                    result = await self.compute(s.draft.tree_step)
+                else:
+                    s.tree_started = True
+                    result = await self.compute(s.draft.tree_begin, Shape.of(s.tree.tree))
             else:
                 result = await self.compute(s.draft.step)
         except DraftError as e:
@@ -196,6 +239,11 @@ class Drafter(Service):
             return
         if isinstance(result, DraftError):
             code = protocol.TOO_LARGE if "context full" in str(result) else protocol.INTERNAL
+            if s.tree is not None and s.prefilled:
+                code = protocol.TOO_LARGE if "context full" in str(result) else \
+                    protocol.BAD_FIELD
+                s.tree = None
+                s.draft.tree_abort()
             await self.error(s.ident, protocol.DraftRequest(sid=s.sid, seq=s.epoch, rid=s.rid),
                              code, str(result))
             s.limit = len(s.draft.tokens)
@@ -208,13 +256,31 @@ class Drafter(Service):
         elif epoch == s.epoch and not any(isinstance(m, protocol.DraftRollback)
                                            for m in s.pending):
             metrics.FORWARD.labels(self.name, "draft").observe(result.seconds)
-            await self.send(s.ident, *self._tokens_msg(s, result))
+            if isinstance(result, TreeDepth):
+                if result.done:
+                    s.tree = None
+                    self._set_limit(s, s.tree_until, 0)
+                await self.send(s.ident, *self._tree_msg(s, result))
+            else:
+                await self.send(s.ident, *self._tokens_msg(s, result))
         while s.pending:
             m = s.pending.pop(0)
             if isinstance(m, protocol.DraftRollback):
                 await self._apply_rollback(s, m)
             else:
                 self._request(s, m)
+
+    def _tree_msg(self, s: DrafterSession, d: TreeDepth) -> tuple[protocol.DraftTokens, list]:
+        msg = protocol.DraftTokens(sid=s.sid, seq=s.epoch, rid=s.rid, start=d.start,
+                                   token_ids=d.tokens, probs=d.probs, seconds=d.seconds,
+                                   parents=d.parents, first_node=d.first_node,
+                                   tree_done=d.done)
+        buffers = []
+        if d.q_ids is not None:
+            msg.q_ids, ids = protocol.tensor_frame(d.q_ids, 0)
+            msg.q_probs, probs = protocol.tensor_frame(d.q_probs, 1)
+            buffers = [ids, probs]
+        return msg, buffers
 
     def _tokens_msg(self, s: DrafterSession, d) -> tuple[protocol.DraftTokens, list]:
         msg = protocol.DraftTokens(sid=s.sid, seq=s.epoch, rid=s.rid, start=d.position,

@@ -17,7 +17,9 @@ from services.dispatcher.spec_session import POLICIES
 
 @pytest.mark.parametrize("policy,knobs", [("pipesd", {"r1": 0.5, "r2": 0.9}), ("hsl", {"r2": 0.7}),
                                           ("edgellm", {"r1": 0.2, "c": 0.5}),
-                                          ("vanilla", {"n": 12.0}), ("pipesd", None)])
+                                          ("vanilla", {"n": 12.0}), ("pipesd", None),
+                                          ("tree", {"cs": 0.5, "m": 16.0}),
+                                          ("tree-stream", {"m": 64.0})])
 def test_knobs_of_the_policy_in_range_are_taken(policy, knobs):
     check_knobs(POLICIES[policy], knobs)
 
@@ -25,7 +27,9 @@ def test_knobs_of_the_policy_in_range_are_taken(policy, knobs):
 @pytest.mark.parametrize("policy,knobs", [("pipesd", {"n": 8.0}), ("hsl", {"r1": 0.5}),
                                           ("oracle-trigger", {"r1": 0.5}),
                                           ("pipesd", {"r2": 1.5}), ("edgellm", {"c": 1.0}),
-                                          ("vanilla", {"n": 2.5}), ("vanilla", {"n": 2000.0})])
+                                          ("vanilla", {"n": 2.5}), ("vanilla", {"n": 2000.0}),
+                                          ("tree", {"m": 2.5}), ("tree", {"m": 65.0}),
+                                          ("tree-stream", {"r1": 0.5})])
 def test_other_knobs_and_values_out_of_range_are_bad_fields(policy, knobs):
     with pytest.raises(ProtocolError) as e:
         check_knobs(POLICIES[policy], knobs)
