@@ -105,6 +105,11 @@ class Sampling(msgspec.Struct, omit_defaults=True):
     top_k: Size = 0       # 0 = off; <= the vocabulary size (checked where the model is known)
     top_p: TopP = 1.0     # 1 = off
     seed: Seed | None = None
+    # how draft and target randomness are coupled when sampling (common/sampling.py): "gumbel"
+    # (Gumbel-max keyed by (seed, position): the output depends only on the seed and the prompt,
+    # whatever the mode, policy or link did) or "rejection" (speculative sampling: more drafts
+    # accepted); None = the dispatcher's `sampling_coupling` setting
+    coupling: Literal["gumbel", "rejection"] | None = None
 
 
 def check_sampling(s: Sampling, vocab_size: int) -> None:

@@ -41,6 +41,7 @@ import math
 import threading
 import time
 
+import msgspec
 import numpy as np
 
 from common import metrics, protocol, sampling
@@ -120,9 +121,13 @@ def check_policy(name: str, sampling_params):
         raise ProtocolError(protocol.BAD_FIELD,
                             f"unknown spec policy {name!r}; one of {sorted(POLICIES)}",
                             field="policy")
-    if policy.name == "oracle-trigger" and not sampling.is_greedy(sampling_params):
+    # the oracle knows the target's output in advance: its greedy output, or under the Gumbel
+    # coupling its seeded output (which no draft changes); rejection sampling's depends on drafts
+    if policy.name == "oracle-trigger" and not sampling.is_greedy(sampling_params) \
+            and sampling_params.coupling != "gumbel":
         raise ProtocolError(protocol.BAD_FIELD, "the oracle-trigger policy needs greedy decoding "
-                                                "(its trigger knows the target's greedy output)",
+                                                "or the gumbel sampling coupling (its trigger knows "
+                                                "the target's output)",
                             field="sampling.temperature")
     return policy
 
@@ -164,7 +169,9 @@ class Spec:
     def validate(self, d, msg) -> None:
         """An unknown policy (or the oracle trigger with sampling), or knobs the policy does
         not have, are a bad field."""
-        check_knobs(check_policy(self.policy(d, msg), msg.sampling), msg.policy_knobs)
+        s = msgspec.structs.replace(msg.sampling, coupling=msg.sampling.coupling
+                                    or d.cfg.sampling_coupling)
+        check_knobs(check_policy(self.policy(d, msg), s), msg.policy_knobs)
 
     def policy(self, d, msg) -> str:
         return msg.policy or d.cfg.spec.policy
@@ -334,7 +341,8 @@ class SpecRun:
         try:
             await ch.send(protocol.CloudGenerate(sid=f"{req.sid}-oracle", seq=OPEN_SEQ,
                                                  token_ids=req.prompt_ids,
-                                                 max_tokens=req.max_tokens))
+                                                 max_tokens=req.max_tokens,
+                                                 sampling=req.sampling))
             while len(out) < req.max_tokens:
                 msg, _ = await ch.recv(timeout=max(0.001, req.remaining()))
                 if isinstance(msg, protocol.CloudTokens) and msg.index == len(out):

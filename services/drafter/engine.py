@@ -19,6 +19,9 @@ Greedy: the draft is the argmax; P(D_n) its softmax probability. Sampling: the d
 from a *truncated* distribution q (temperature, then the top-k with k <= 64, then top-p), and q
 travels sparse as (ids, probs) so the verifier can do exact speculative sampling against it;
 P(D_n) = q(D_n). Draws are keyed by (seed, position), so a seeded request drafts reproducibly.
+Gumbel coupling (`Sampling.coupling = "gumbel"`, common/gumbel.py): the draft is
+argmax(log q + g(seed, position)) with the noise the target uses, so it is accepted exactly when
+it is the target's token; no q travels (the verifier needs none).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import numpy as np
 
 import llama_cpp as L
 
+from common import gumbel
 from common.protocol import Sampling
 
 MAX_Q_WIDTH = 64   # the widest sparse q the protocol carries (DESIGN.md §3: k <= 64)
@@ -130,6 +134,10 @@ class DraftSession:
             raise DraftError(f"prompt of {len(prompt)} tokens does not fit a {self.n_ctx}-token context")
         self.sampling = sampling
         self.greedy = sampling.temperature <= 0.0
+        # the Gumbel coupling needs the seed the target uses (the dispatcher gives one); without
+        # it (a direct client) drafting falls back to rejection sampling's draws, as the cloud does
+        self.gumbel = (not self.greedy and sampling.coupling == "gumbel"
+                       and sampling.seed is not None)
         self.q_width = max(1, min(MAX_Q_WIDTH, int(q_width)))
         if sampling.top_k > 0:
             self.q_width = min(self.q_width, sampling.top_k)
@@ -202,6 +210,9 @@ class DraftSession:
         if self.greedy:
             token, prob = _greedy(logits)
             draft = Draft(position, token, prob, 0.0)
+        elif self.gumbel:
+            token, prob = _gumbel(logits, self.sampling, position)
+            draft = Draft(position, token, prob, 0.0)
         else:
             ids, probs = _truncated(logits, self.sampling, self.q_width)
             rng = np.random.Generator(np.random.PCG64([self.seed_base, position, 0x7A9D]))
@@ -244,6 +255,31 @@ def _greedy(logits: np.ndarray) -> tuple[int, float]:
     m = logits[token]
     prob = 1.0 / float(np.exp(logits - m, dtype=np.float32).sum(dtype=np.float64))
     return token, prob
+
+
+def _gumbel(logits: np.ndarray, s: Sampling, position: int) -> tuple[int, float]:
+    """The Gumbel-max draft argmax(log q + g(seed, position)) and q(draft). q is the draft model's
+    distribution warped as the target's is (common/sampling.target_probs): temperature, top-k,
+    top-p; a support wider than MAX_Q_WIDTH tokens is cut there (this only shapes the draft,
+    never the output)."""
+    g = gumbel.noise(s.seed, position, logits.shape[0])
+    x = logits.astype(np.float64) / max(s.temperature, 1e-6)
+    e = np.exp(x - x.max())
+    if s.top_k <= 0 and s.top_p >= 1.0:
+        token = gumbel.argmax_token(x, g)  # log q = x - logsumexp(x): the shift changes no argmax
+        return token, min(1.0, float(e[token] / e.sum()))
+    k = min(s.top_k or MAX_Q_WIDTH, MAX_Q_WIDTH, x.shape[0])
+    ids = np.argpartition(-x, k - 1)[:k]
+    ids = ids[np.argsort(-x[ids], kind="stable")]
+    # normalised over the top-k when top-k is on, else over the whole vocabulary (as the target)
+    p = e[ids] / (e[ids].sum() if s.top_k > 0 else e.sum())
+    if s.top_p < 1.0:
+        n = max(1, int(np.count_nonzero(np.cumsum(p) - p < s.top_p)))
+        p[n:] = 0.0
+    p /= p.sum()
+    with np.errstate(divide="ignore"):
+        j = gumbel.argmax_token(np.log(p), g[ids])
+    return int(ids[j]), float(p[j])
 
 
 def _truncated(logits: np.ndarray, s: Sampling, k: int) -> tuple[np.ndarray, np.ndarray]:
