@@ -110,6 +110,7 @@ class MetricHooks(Hooks):
             metrics.SPEC_ACCEPTED_POS.labels(SERVICE, self.policy, str(i) if i < 15 else "15+").inc()
         if accepted > 16:
             metrics.SPEC_ACCEPTED_POS.labels(SERVICE, self.policy, "15+").inc(accepted - 16)
+        metrics.observe_round(SERVICE, self.policy, accepted, [1] * draft_tokens)   # a chain
 
     def proactive(self, outcome: str, tokens: int) -> None:
         metrics.PROACTIVE.labels(SERVICE, outcome).inc(tokens)

@@ -153,9 +153,19 @@ def test_same_seed_same_output_in_every_mode_policy_and_threshold(stack, tokeniz
 
 
 def test_gumbel_spec_mode_speculates_and_accepts(stack, tokenizer):
+    from prometheus_client import REGISTRY
     ids = tokenizer.encode("def fibonacci(n):\n")
+    labels = {"service": "dispatcher", "policy": "vanilla"}
+
+    def per_round(what):
+        return REGISTRY.get_sample_value(f"tandem_spec_accepted_tokens_per_round_{what}",
+                                         labels) or 0.0
+    before = per_round("sum"), per_round("count")
     r = stack.complete(list(ids), max_tokens=N, stop_at_eos=False, deadline_s=120, seed=3,
                        mode="spec", policy="vanilla", **SAMPLED)
     assert r.stats["rounds"] >= 1 and r.stats["draft_tokens"] >= 1
     assert r.stats["accepted_tokens"] >= 1     # the drafter's noise is the target's
+    # the dispatcher's vLLM-shaped histogram saw this request's rounds (issue #14 item 6)
+    assert per_round("sum") - before[0] == r.stats["accepted_tokens"]
+    assert per_round("count") - before[1] == r.stats["rounds"]
     assert list(r.token_ids) == _gen(stack, ids, 3, mode="cloud-only")
