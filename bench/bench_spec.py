@@ -70,7 +70,7 @@ from common.launcher import Cluster, free_port
 from common.progress import Progress
 
 POLICIES = ["cloud-only", "vanilla", "hsl", "edgellm", "pipesd", "pipesd-stream",
-            "oracle-trigger"]
+            "pipesd-learned", "oracle-trigger"]
 EDGE_QUOTA = {"s2": 0.5, "s3": 0.25}   # slower edges: the drafter's share of its one core
 LINK_OF = {"s2": "s1", "s3": "s1"}     # ... on S1's link
 

@@ -13,6 +13,8 @@ differs per policy:
                     c   its update constant, uniform in [0.05, 0.95]      default 0.5
     pipesd(-stream) r1  log-uniform in [1e-6, 1], r2 uniform in [1e-6, 1]  defaults 0.90, 0.94
                         (exactly BOTuner's space)
+    pipesd-learned  k   price of waiting in its stopping rule, log-uniform
+                        in [0.05, 20]                                     default 1
 
 Policies without knobs (cloud-only, oracle-trigger) are measured as they are.
 """
@@ -40,10 +42,12 @@ KNOBS: dict[str, list[tuple[str, str, float, float, str]]] = {
                ("r2", "real", R_LOW, R_HIGH, "uniform")],
 }
 KNOBS["pipesd-stream"] = KNOBS["pipesd"]
+KNOBS["pipesd-learned"] = [("k", "real", 0.05, 20.0, "log-uniform")]
 DEFAULTS: dict[str, dict[str, float]] = {
     "vanilla": {"n": 8}, "hsl": {"r2": DEFAULT_R2}, "edgellm": {"r1": 0.5, "c": 0.5},
     "pipesd": {"r1": DEFAULT_R1, "r2": DEFAULT_R2},
     "pipesd-stream": {"r1": DEFAULT_R1, "r2": DEFAULT_R2},
+    "pipesd-learned": {"k": 1.0},
 }
 
 

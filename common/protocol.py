@@ -84,6 +84,7 @@ Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_TEMPERATURE)]
 TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
 Threshold = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]      # PipeSD's R1, R2
 Seed = Annotated[int, msgspec.Meta(ge=-2**63, le=INT64_MAX)]
+Entropy = Annotated[float, msgspec.Meta(ge=0.0, le=100.0)]      # nats (ln of a vocabulary < 100)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -280,6 +281,7 @@ class DraftOpen(Msg, tag="draft_open"):
     top_k: Annotated[int, msgspec.Meta(ge=1, le=64)] = 16  # sparse q width when sampling
     max_tokens: Size = 0          # positions past the prompt the session may reach (sizes its context);
     #                               0 = the drafter's default
+    features: bool = False        # send each token's entropy and top-2 margin (pipesd-learned)
 
 
 class DraftRequest(Msg, tag="draft"):
@@ -298,6 +300,10 @@ class DraftTokens(Msg, tag="draft_tokens"):
     seconds: Seconds = 0.0    # drafter compute time for these tokens (γ estimation)
     q_ids: TensorRef | None = None
     q_probs: TensorRef | None = None
+    # per token, when DraftOpen asked for features: entropy (nats) and top-1 minus top-2
+    # probability of the drafter's distribution at that position
+    entropies: list[Entropy] | None = None
+    margins: list[Probability] | None = None
 
 
 class DraftRollback(Msg, tag="draft_rollback"):
@@ -472,7 +478,7 @@ def check(msg: Msg) -> Msg:
 
 
 def _check_sizes(msg: Msg, limits: Limits) -> None:
-    for name in ("token_ids", "probs", "append"):
+    for name in ("token_ids", "probs", "append", "entropies", "margins"):
         value = getattr(msg, name, None)
         if value is not None and len(value) > limits.max_tokens:
             raise ProtocolError(TOO_LARGE,

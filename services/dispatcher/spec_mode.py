@@ -50,6 +50,7 @@ from common.runtime import PeerError
 from services.dispatcher import recovery
 from services.dispatcher.bo_tuner import BOConfig, BOTuner
 from services.dispatcher.dp_batching import BatchPlanner
+from services.dispatcher.learned_trigger import AcceptanceModel, LearnedTrigger
 from services.dispatcher.link_model import DraftSpeed, DraftSpeedConfig, LinkModel, LinkModelConfig
 from services.dispatcher.nav_trigger import DraftWindow, NavConfig, make_trigger
 from services.dispatcher.spec_session import (POLICIES, Draft, Emit, Hooks, Limit, Rollback,
@@ -69,11 +70,18 @@ class Edge:
         self.speed = DraftSpeed(DraftSpeedConfig(gamma_seed=cfg.spec.gamma_s))
         self.windows: dict[str, DraftWindow] = {}
         self.tuners: dict[str, BOTuner] = {}
+        self.models: dict[str, AcceptanceModel] = {}
         self.tuner_lock = threading.Lock()   # record() runs on a worker thread (GP fits)
         self.cfg = cfg
 
     def window(self, policy: str) -> DraftWindow:
         return self.windows.setdefault(policy, DraftWindow())
+
+    def acceptance_model(self, policy: str) -> AcceptanceModel:
+        """pipesd-learned's online acceptance model, shared by the policy's sessions."""
+        if policy not in self.models:
+            self.models[policy] = AcceptanceModel()
+        return self.models[policy]
 
     def tuner(self, policy: str) -> BOTuner:
         if policy not in self.tuners:
@@ -138,7 +146,8 @@ POLICY_KNOBS = {"pipesd": {"r1": (0.0, 1.0), "r2": (0.0, 1.0)},
                 "hsl": {"r2": (0.0, 1.0)},
                 "edgellm": {"r1": (0.0, 1.0), "c": (0.0, 0.999999)},
                 "vanilla": {"n": (0.0, 1024.0)},
-                "oracle-trigger": {}}
+                "oracle-trigger": {},
+                "pipesd-learned": {"k": (0.0, 100.0)}}
 
 
 def check_knobs(policy, knobs: dict | None) -> None:
@@ -237,6 +246,10 @@ class SpecRun:
         if self.policy.trigger == "edgellm":
             nav.edgellm_r1 = knobs.get("r1", nav.edgellm_r1)
             nav.edgellm_c = knobs.get("c", nav.edgellm_c)
+        if self.policy.trigger == "pipesd-learned":
+            return LearnedTrigger(self.edge.acceptance_model(self.policy.name),
+                                  lambda: (self.vpeer.rtt, *self._params()),
+                                  k=knobs.get("k"), max_length=c.spec.max_draft)
         trig = make_trigger(self.policy.trigger, nav)
         if self.req.msg.nav_thresholds is not None:
             trig.set_thresholds(*self.req.msg.nav_thresholds)
@@ -271,7 +284,8 @@ class SpecRun:
             self._reader(self.dch, "d")
             await self.dch.send(protocol.DraftOpen(
                 sid=req.sid, seq=OPEN_SEQ, token_ids=req.prompt_ids, sampling=req.sampling,
-                top_k=self.cfg.spec.q_width, max_tokens=req.max_tokens))
+                top_k=self.cfg.spec.q_width, max_tokens=req.max_tokens,
+                features=self.policy.trigger == "pipesd-learned"))
         else:
             log.warning("drafter at %s is down: %s goes on with the target alone",
                         d.drafter.endpoint, req.sid)
@@ -414,10 +428,14 @@ class SpecRun:
             await self.emit_degraded(msg)
             return
         actions = []
+        n = len(msg.token_ids)
+        entropies = msg.entropies if msg.entropies and len(msg.entropies) == n else [None] * n
+        margins = msg.margins if msg.margins and len(msg.margins) == n else [None] * n
         for i, (t, p) in enumerate(zip(msg.token_ids, msg.probs)):
             actions += self.sm.on_draft(Draft(msg.start + i, t, p,
                                               None if q_ids is None else q_ids[i],
-                                              None if q_probs is None else q_probs[i]))
+                                              None if q_probs is None else q_probs[i],
+                                              entropies[i], margins[i]))
         await self.act(actions)
 
     # --- actions -------------------------------------------------------------------------------

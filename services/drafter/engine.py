@@ -27,6 +27,7 @@ it is the target's token; no q travels (the verifier needs none).
 from __future__ import annotations
 
 import ctypes
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -90,6 +91,8 @@ class Draft:
     seconds: float                   # compute time of this step (evaluation + softmax + choice)
     q_ids: np.ndarray | None = None  # int32 [k]: support of q (sampling only)
     q_probs: np.ndarray | None = None  # float32 [k]: q on that support, sums to 1
+    entropy: float | None = None     # nats, of the temperature-scaled distribution (features)
+    margin: float | None = None      # its top-1 minus top-2 probability (features)
 
 
 class DraftModel:
@@ -109,8 +112,8 @@ class DraftModel:
         self.threads = threads
 
     def session(self, prompt: list[int], n_ctx: int, sampling: Sampling,
-                q_width: int = 16, n_batch: int = 256) -> "DraftSession":
-        return DraftSession(self, prompt, n_ctx, sampling, q_width, n_batch)
+                q_width: int = 16, n_batch: int = 256, features: bool = False) -> "DraftSession":
+        return DraftSession(self, prompt, n_ctx, sampling, q_width, n_batch, features)
 
     def close(self) -> None:
         if self.model:
@@ -122,7 +125,7 @@ class DraftSession:
     """One session's llama.cpp context, its token list and its position in the KV cache."""
 
     def __init__(self, model: DraftModel, prompt: list[int], n_ctx: int, sampling: Sampling,
-                 q_width: int, n_batch: int):
+                 q_width: int, n_batch: int, features: bool = False):
         if not prompt:
             raise DraftError("empty prompt")
         bad = [t for t in prompt if not 0 <= t < model.n_vocab]
@@ -134,6 +137,7 @@ class DraftSession:
             raise DraftError(f"prompt of {len(prompt)} tokens does not fit a {self.n_ctx}-token context")
         self.sampling = sampling
         self.greedy = sampling.temperature <= 0.0
+        self.features = features   # each draft carries its entropy and top-2 margin (~0.3 ms)
         # the Gumbel coupling needs the seed the target uses (the dispatcher gives one); without
         # it (a direct client) drafting falls back to rejection sampling's draws, as the cloud does
         self.gumbel = (not self.greedy and sampling.coupling == "gumbel"
@@ -218,6 +222,9 @@ class DraftSession:
             rng = np.random.Generator(np.random.PCG64([self.seed_base, position, 0x7A9D]))
             k = int(rng.choice(len(ids), p=probs.astype(np.float64) / probs.sum(dtype=np.float64)))
             draft = Draft(position, int(ids[k]), float(probs[k]), 0.0, ids, probs)
+        if self.features:
+            draft.entropy, draft.margin = _entropy_margin(
+                logits, 1.0 if self.greedy else self.sampling.temperature)
         self.tokens.append(draft.token)
         draft.seconds = time.perf_counter() - t
         return draft
@@ -255,6 +262,18 @@ def _greedy(logits: np.ndarray) -> tuple[int, float]:
     m = logits[token]
     prob = 1.0 / float(np.exp(logits - m, dtype=np.float32).sum(dtype=np.float64))
     return token, prob
+
+
+def _entropy_margin(logits: np.ndarray, temperature: float) -> tuple[float, float]:
+    """Entropy (nats) and top-1 minus top-2 probability of softmax(logits / temperature)."""
+    x = logits.astype(np.float64) / max(temperature, 1e-6)
+    top2 = np.partition(x, x.shape[0] - 2)[-2:]
+    m = top2.max()
+    e = np.exp(x - m)
+    z = float(e.sum())
+    entropy = math.log(z) - float(e @ (x - m)) / z
+    margin = (1.0 - math.exp(float(top2.min()) - m)) / z
+    return max(0.0, entropy), min(1.0, max(0.0, margin))
 
 
 def _gumbel(logits: np.ndarray, s: Sampling, position: int) -> tuple[int, float]:

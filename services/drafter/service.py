@@ -94,7 +94,7 @@ class Drafter(Service):
                                                     f"context {self.model.n_ctx_train}")
         try:
             draft = self.model.session(list(msg.token_ids), n_ctx, s, msg.top_k,
-                                       self.cfg.n_batch)
+                                       self.cfg.n_batch, features=msg.features)
         except DraftError as e:
             raise ProtocolError(protocol.BAD_FIELD, str(e)) from None
         sess = DrafterSession(msg.sid, ident, msg.rid, msg.seq, draft)
@@ -225,6 +225,8 @@ class Drafter(Service):
             msg.q_ids, ids = protocol.tensor_frame(d.q_ids.reshape(1, -1), 0)
             msg.q_probs, probs = protocol.tensor_frame(d.q_probs.reshape(1, -1), 1)
             buffers = [ids, probs]
+        if d.entropy is not None:
+            msg.entropies, msg.margins = [min(100.0, d.entropy)], [d.margin]
         return msg, buffers
 
 

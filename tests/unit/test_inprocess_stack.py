@@ -44,7 +44,8 @@ def test_cloud_only_equals_transformers(stack, ids, reference):
         assert _gen(stack, p, mode="cloud-only").token_ids == reference(p, N)
 
 
-@pytest.mark.parametrize("policy", ["pipesd", "pipesd-stream", "vanilla", "hsl", "edgellm"])
+@pytest.mark.parametrize("policy", ["pipesd", "pipesd-stream", "vanilla", "hsl", "edgellm",
+                                    "pipesd-learned"])
 def test_spec_equals_transformers(stack, ids, reference, policy):
     r = _gen(stack, ids[0], mode="spec", policy=policy)
     assert r.token_ids == reference(ids[0], N)
