@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 
 from bench import stats, workloads
+from bench.report import write_json
 
 COUPLINGS = ("rejection", "gumbel")
 
@@ -114,10 +114,7 @@ def main(argv=None) -> int:
         lo, hi = s["ratio_ci95"]
         print(f"{s['policy']:10s} gumbel/rejection = {s['gumbel_over_rejection']:.3f} "
               f"[{lo:.3f}, {hi:.3f}] over {s['pairs']} (prompt, seed) pairs")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"bench": "coupling", "args": vars(args), "rows": rows,
-                       "summary": summary}, f, indent=1)
+    write_json(args.json, "coupling", "none", summary, rows=rows, args=vars(args))
     return 0
 
 

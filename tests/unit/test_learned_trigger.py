@@ -191,3 +191,17 @@ def test_registered_as_a_policy_with_a_knob():
     assert POLICY_KNOBS["pipesd-learned"] == {"k": (0.0, 100.0)}
     from bench.tuning import DEFAULTS, KNOBS
     assert [k[0] for k in KNOBS["pipesd-learned"]] == ["k"] and DEFAULTS["pipesd-learned"]["k"] == 1
+
+
+def test_drafter_features_are_the_entropy_and_margin_of_its_distribution():
+    from services.drafter.engine import _entropy_margin
+    rng = np.random.default_rng(2)
+    for temperature in (1.0, 0.7):
+        logits = (rng.standard_normal(1000) * 4).astype(np.float32)
+        x = logits.astype(np.float64) / temperature
+        p = np.exp(x - x.max())
+        p /= p.sum()
+        top = np.sort(p)[::-1]
+        entropy, margin = _entropy_margin(logits, temperature)
+        assert entropy == pytest.approx(float(-(p * np.log(p)).sum()), rel=1e-9)
+        assert margin == pytest.approx(float(top[0] - top[1]), rel=1e-9)
