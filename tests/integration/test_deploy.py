@@ -394,6 +394,7 @@ _SYNTHETIC_EXPORTER = textwrap.dedent("""
                 m.SPEC_ACCEPTED_POS.labels(d, pol, str(pos)).inc()
             m.SPEC_DRAFT_LEN.labels(d, pol).observe(random.randint(1, 12))
             m.SPEC_BATCH_SIZE.labels(d, pol).observe(random.randint(1, 6))
+            m.observe_round(d, pol, random.randint(0, 6), [1] * 6)
             m.NAV_TRIGGERS.labels(d, pol, random.choice(("r1", "r2", "window"))).inc()
         m.PROACTIVE.labels(d, "kept").inc(3)
         m.PROACTIVE.labels(d, "discarded").inc(1)
