@@ -97,7 +97,7 @@ class ApiError(Exception):
 
 
 _REQUEST_FIELDS = ("cut", "mode", "policy", "max_tokens", "temperature", "top_k", "top_p", "seed",
-                   "nav_thresholds", "deadline_s", "prompt")
+                   "sampling_coupling", "nav_thresholds", "deadline_s", "prompt")
 
 
 def from_tandem(e: TandemError, retry_after_s: int = 1) -> ApiError:
@@ -248,6 +248,7 @@ class Params:
             top_p=get_num(body, "top_p", 1.0, lo=0, hi=1),
             top_k=get_int(body, "top_k", 0, lo=0),
             seed=get_int(body, "seed", None),
+            sampling_coupling=get_str(body, "sampling_coupling") or None,   # gumbel | rejection
             policy=get_str(body, "policy", cfg.default_policy),
             cut=get_int(body, "cut", cfg.default_cut, lo=0),
             deadline_s=cfg.request_timeout_s if deadline is None else deadline,

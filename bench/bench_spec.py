@@ -71,7 +71,7 @@ from common.launcher import Cluster, free_port
 from common.progress import Progress
 
 POLICIES = ["cloud-only", "vanilla", "hsl", "edgellm", "pipesd", "pipesd-stream",
-            "oracle-trigger"]
+            "pipesd-learned", "oracle-trigger"]
 TREE_POLICIES = ["tree", "tree-stream"]   # issue #14: run when named in --policies
 EDGE_QUOTA = {"s2": 0.5, "s3": 0.25}   # slower edges: the drafter's share of its one core
 LINK_OF = {"s2": "s1", "s3": "s1"}     # ... on S1's link
@@ -249,6 +249,7 @@ def run_request(c, p: str, ids: list[int], n: int, knobs: dict | None = None,
 
 
 RUN_STATS = ("acceptance_rate", "mean_draft_length", "cloud_forwards_per_token", "rounds",
+             "accepted_tokens",
              "proactive_kept", "proactive_discarded", "early_rejects", "thresholds", "window",
              "dp_plan", "alpha_s", "beta_s", "gamma_s", "oracle_reference_s", "batches",
              "verifier_forwards")
@@ -290,6 +291,9 @@ def measured_request(c, p: str, ids: list[int], n: int, knobs, meter: Meter,
             "edge_cpu_s_per_token": sum(d.get(k, 0.0) for k in EDGE) / tokens,
             "cloud_s_per_token": d.get(CLOUD, 0.0) / tokens,
             "joules_per_token": None if j0 is None or j1 is None else (j1 - j0) / tokens,
+            # vLLM's acceptance length less the bonus token (issue #14 item 6)
+            "accepted_tokens_per_round": (st.get("accepted_tokens") or 0) / st["rounds"]
+            if st.get("rounds") else None,
             **{key: st.get(key) for key in RUN_STATS}}
 
 
@@ -354,6 +358,8 @@ def policy_rows(runs: dict[str, list[dict]], test_names: list[str], bound_tpt_ms
                      "bound_violations": sum(o < 1 for o in over),
                      "acceptance_rate": mean("acceptance_rate"),
                      "mean_draft_length": mean("mean_draft_length"),
+                     # over the policy's runs: accepted draft tokens / verification rounds
+                     "accepted_tokens_per_round": _per_round(rs),
                      "cloud_forwards_per_token": mean("cloud_forwards_per_token")
                      if p != "cloud-only" else 1.0,
                      "cloud_s_per_token": mean("cloud_s_per_token"),
@@ -434,6 +440,11 @@ def users_within(load_rows: list[dict], budget_ms: float) -> dict[str, int]:
     return out
 
 
+def _per_round(rs: list[dict]) -> float | None:
+    rounds = sum(x.get("rounds") or 0 for x in rs)
+    return sum(x.get("accepted_tokens") or 0 for x in rs) / rounds if rounds else None
+
+
 def _f(v) -> str:
     return "n/a" if v is None else f"{v:.1f}"
 
@@ -445,7 +456,8 @@ def _ci(v) -> str:
 COLUMNS = [("policy", "policy"), ("tpt_ms", "TPT ms (mean/prompt)"), ("ci95", "95% CI"),
            ("tpt_over_bound", "TPT/bound"), ("vs_best_baseline", "vs best baseline"),
            ("vs_best_baseline_ci95", "95% CI"), ("speedup_vs_cloud_only", "vs cloud-only"),
-           ("acceptance_rate", "acceptance"), ("mean_draft_length", "draft len"),
+           ("acceptance_rate", "acceptance"), ("accepted_tokens_per_round", "acc/round"),
+           ("mean_draft_length", "draft len"),
            ("cloud_forwards_per_token", "cloud fwd/tok"), ("cloud_s_per_token", "cloud s/tok"),
            ("edge_cpu_s_per_token", "edge CPU s/tok"), ("identical_runs", "identical to ref")]
 

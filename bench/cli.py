@@ -1,4 +1,5 @@
-"""`tandem bench spec|split|tuner|overhead|runner|defaults [...]`: each benchmark is a module with main(argv)."""
+"""`tandem bench spec|split|tuner|overhead|runner|coupling|defaults [...]`: a module with main(argv)
+each."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ BENCHES = {
     "tuner": ("bench.bench_tuner", "BO autotuner against grid and random search, live traffic"),
     "overhead": ("bench.bench_overhead", "transport cost per hop, end-to-end vs runner, RSS"),
     "runner": ("bench.bench_runner", "LayerRangeRunner vs transformers, ragged batching, verify k"),
+    "coupling": ("bench.bench_coupling", "accepted tokens per round: gumbel vs rejection sampling"),
     "defaults": ("bench.bench_defaults", "`tandem up`'s resource plan vs hand-set threads and cores"),
 }
 

@@ -16,6 +16,8 @@ differs per policy:
     tree(-stream)   cs  cost scale of the tree's shape rule, log-uniform   default 1
                         in [0.05, 20]
                     m   most nodes per round, integer in [2, 64]          default 32
+    pipesd-learned  k   price of waiting in its stopping rule, log-uniform
+                        in [0.05, 20]                                     default 1
 
 Policies without knobs (cloud-only, oracle-trigger) are measured as they are.
 """
@@ -45,11 +47,13 @@ KNOBS: dict[str, list[tuple[str, str, float, float, str]]] = {
 KNOBS["pipesd-stream"] = KNOBS["pipesd"]
 KNOBS["tree"] = [("cs", "real", 0.05, 20.0, "log-uniform"), ("m", "int", 2, 64, "uniform")]
 KNOBS["tree-stream"] = KNOBS["tree"]
+KNOBS["pipesd-learned"] = [("k", "real", 0.05, 20.0, "log-uniform")]
 DEFAULTS: dict[str, dict[str, float]] = {
     "vanilla": {"n": 8}, "hsl": {"r2": DEFAULT_R2}, "edgellm": {"r1": 0.5, "c": 0.5},
     "pipesd": {"r1": DEFAULT_R1, "r2": DEFAULT_R2},
     "pipesd-stream": {"r1": DEFAULT_R1, "r2": DEFAULT_R2},
     "tree": {"cs": 1.0, "m": 32}, "tree-stream": {"cs": 1.0, "m": 32},
+    "pipesd-learned": {"k": 1.0},
 }
 
 

@@ -18,6 +18,7 @@ from prometheus_client import Counter, Gauge, Histogram
 LATENCY = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25,
            0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 SIZE = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128)
+ROUND_COUNTS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 48, 64)   # 0 = all rejected
 
 # --- requests and tokens (dispatcher) -------------------------------------------------------
 REQUESTS = Counter("tandem_requests_total", "Client requests finished, by outcome",
@@ -50,6 +51,22 @@ SPEC_ACCEPTED_POS = Counter("tandem_spec_accepted_tokens_per_pos_total",
 SPEC_DRAFT_LEN = Histogram("tandem_spec_draft_length", "Draft tokens per verification round",
                            ["service", "policy"], buckets=SIZE)
 SPEC_BATCH_SIZE = Histogram("tandem_spec_batch_tokens", "Draft tokens per transmitted batch",
+                            ["service", "policy"], buckets=SIZE)
+# vLLM's spec-decode shape (accepted per round, acceptance per position) extended to trees: a
+# round's draft may be a chain (depth d = position d) or a token tree (nodes at several depths).
+SPEC_ACCEPTED_PER_ROUND = Histogram("tandem_spec_accepted_tokens_per_round",
+                                    "Draft tokens accepted per verification round",
+                                    ["service", "policy"], buckets=ROUND_COUNTS)
+SPEC_DRAFT_DEPTH = Counter("tandem_spec_draft_tokens_per_depth_total",
+                           "Draft tokens (tree nodes) verified, by depth in the round (0-based, "
+                           "capped; a chain's depth is its position)",
+                           ["service", "policy", "depth"])
+SPEC_ACCEPTED_DEPTH = Counter("tandem_spec_accepted_tokens_per_depth_total",
+                              "Accepted draft tokens by depth in the round (0-based, capped); "
+                              "acceptance at a depth = this / tandem_spec_draft_tokens_per_depth_total",
+                              ["service", "policy", "depth"])
+SPEC_TREE_NODES = Histogram("tandem_spec_tree_nodes_per_round",
+                            "Draft nodes sent per verification round (a chain: its draft tokens)",
                             ["service", "policy"], buckets=SIZE)
 NAV_TRIGGERS = Counter("tandem_spec_nav_triggers_total", "NAV triggers by reason",
                        ["service", "policy", "reason"])
@@ -134,6 +151,25 @@ def refresh_process_metrics(service: str) -> None:
 OUTCOMES = ("ok", "error", "cancelled", "deadline")     # tandem_requests_total{outcome}
 PROACTIVE_OUTCOMES = ("kept", "discarded")
 ACCEPTED_POSITIONS = tuple(str(i) for i in range(15)) + ("15+",)
+DEPTHS = ACCEPTED_POSITIONS   # the depth label's values: 0..14, then 15+
+
+
+def depth_label(d: int) -> str:
+    return str(d) if d < 15 else "15+"
+
+
+def observe_round(service: str, policy: str, accepted: int,
+                  nodes_per_depth: list[int] | tuple[int, ...]) -> None:
+    """One verification round in vLLM's shape: `nodes_per_depth[d]` draft nodes were sent at
+    depth d (a chain of n tokens: [1] * n; a tree: its width per level) and the target accepted
+    `accepted` of them, one per depth along the accepted path (depths 0 .. accepted-1)."""
+    SPEC_ACCEPTED_PER_ROUND.labels(service, policy).observe(accepted)
+    SPEC_TREE_NODES.labels(service, policy).observe(sum(nodes_per_depth))
+    for d, n in enumerate(nodes_per_depth):
+        if n:
+            SPEC_DRAFT_DEPTH.labels(service, policy, depth_label(d)).inc(n)
+    for d in range(accepted):
+        SPEC_ACCEPTED_DEPTH.labels(service, policy, depth_label(d)).inc()
 
 
 def declare_dispatcher(service: str, policies: dict[str, list[str]]) -> None:
@@ -153,6 +189,11 @@ def declare_dispatcher(service: str, policies: dict[str, list[str]]) -> None:
             c.labels(service, policy)
         for pos in ACCEPTED_POSITIONS:
             SPEC_ACCEPTED_POS.labels(service, policy, pos)
+        for h in (SPEC_ACCEPTED_PER_ROUND, SPEC_TREE_NODES):
+            h.labels(service, policy)
+        for depth in DEPTHS:
+            SPEC_DRAFT_DEPTH.labels(service, policy, depth)
+            SPEC_ACCEPTED_DEPTH.labels(service, policy, depth)
     if "spec" in policies:
         for outcome in PROACTIVE_OUTCOMES:
             PROACTIVE.labels(service, outcome)

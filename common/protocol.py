@@ -84,6 +84,7 @@ Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_TEMPERATURE)]
 TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
 Threshold = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]      # PipeSD's R1, R2
 Seed = Annotated[int, msgspec.Meta(ge=-2**63, le=INT64_MAX)]
+Entropy = Annotated[float, msgspec.Meta(ge=0.0, le=100.0)]      # nats (ln of a vocabulary < 100)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -105,6 +106,11 @@ class Sampling(msgspec.Struct, omit_defaults=True):
     top_k: Size = 0       # 0 = off; <= the vocabulary size (checked where the model is known)
     top_p: TopP = 1.0     # 1 = off
     seed: Seed | None = None
+    # how draft and target randomness are coupled when sampling (common/sampling.py): "gumbel"
+    # (Gumbel-max keyed by (seed, position): the output depends only on the seed and the prompt,
+    # whatever the mode, policy or link did) or "rejection" (speculative sampling: more drafts
+    # accepted); None = the dispatcher's `sampling_coupling` setting
+    coupling: Literal["gumbel", "rejection"] | None = None
 
 
 def check_sampling(s: Sampling, vocab_size: int) -> None:
@@ -290,6 +296,7 @@ class DraftOpen(Msg, tag="draft_open"):
     top_k: Annotated[int, msgspec.Meta(ge=1, le=64)] = 16  # sparse q width when sampling
     max_tokens: Size = 0          # positions past the prompt the session may reach (sizes its context);
     #                               0 = the drafter's default
+    features: bool = False        # send each token's entropy and top-2 margin (pipesd-learned)
     tree_nodes: Annotated[int, msgspec.Meta(ge=0, le=256)] = 0
     # ^ token trees: the most nodes one tree round of this session may have (sizes the context's
     #   extra KV cells and sequences); 0 = chains only
@@ -343,6 +350,10 @@ class DraftTokens(Msg, tag="draft_tokens"):
     parents: list[Annotated[int, msgspec.Meta(ge=-1, le=MAX_ID)]] | None = None
     first_node: Size = 0
     tree_done: bool = False   # the tree round's last message (it may carry no node)
+    # per token, when DraftOpen asked for features: entropy (nats) and top-1 minus top-2
+    # probability of the drafter's distribution at that position
+    entropies: list[Entropy] | None = None
+    margins: list[Probability] | None = None
 
 
 class DraftRollback(Msg, tag="draft_rollback"):
@@ -520,7 +531,7 @@ def check(msg: Msg) -> Msg:
 
 
 def _check_sizes(msg: Msg, limits: Limits) -> None:
-    for name in ("token_ids", "probs", "append"):
+    for name in ("token_ids", "probs", "append", "entropies", "margins"):
         value = getattr(msg, name, None)
         if value is not None and len(value) > limits.max_tokens:
             raise ProtocolError(TOO_LARGE,

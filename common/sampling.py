@@ -3,17 +3,57 @@ position-keyed randomness (so a request with a seed is reproducible whatever the
 
 `target_probs` gives the distribution a sampling configuration actually samples from; the
 speculative verifier compares it with the draft distribution.
+
+Two couplings between the drafter's and the target's randomness (`Sampling.coupling`):
+* "rejection": speculative (rejection) sampling; a plain draw from p is a multinomial keyed by
+  (seed, position). The tokens depend on the draft (a rejected draft's residual resample).
+* "gumbel": the token at a position is argmax(log p + g(seed, position)) (`gumbel_token`), an
+  exact sample from p whatever drafted it, so the output depends only on the seed and the prompt
+  (common/gumbel.py). A draft is accepted exactly when it equals that token.
 """
 
 from __future__ import annotations
 
+import msgspec
 import torch
 
+from common import gumbel
 from common.protocol import Sampling
+
+# The coupling of a request that names none (Sampling.coupling None). The dispatcher fills in its
+# configured default (DispatcherConfig.sampling_coupling) before a request reaches the other
+# services, so this is what a direct client of the verifier or suffix gets. Rejection sampling
+# accepts more drafts per round (1 - TV against P[argmax agree]; bench/bench_coupling.py).
+DEFAULT_COUPLING = "rejection"
 
 
 def is_greedy(s: Sampling) -> bool:
     return s.temperature <= 0.0
+
+
+def coupling(s: Sampling) -> str:
+    """The request's coupling: "gumbel" or "rejection" (greedy requests need none)."""
+    return s.coupling or DEFAULT_COUPLING
+
+
+def resolved(s: Sampling, default_coupling: str) -> Sampling:
+    """A request's sampling as the services downstream of the dispatcher get it: the coupling
+    named (the request's, else `default_coupling`), and a seed when the Gumbel coupling samples
+    (drafter and target must share one; the client named none, so one is drawn)."""
+    c = s.coupling or default_coupling
+    seed = s.seed
+    if c == "gumbel" and not is_greedy(s) and seed is None:
+        seed = int(torch.randint(0, 2**62, (1,)).item())
+    if c == s.coupling and seed == s.seed:
+        return s
+    return msgspec.structs.replace(s, coupling=c, seed=seed)
+
+
+def is_gumbel(s: Sampling) -> bool:
+    """Sampling under the Gumbel coupling. It needs a seed shared by drafter and target: the
+    dispatcher gives every request one; a seedless request sent straight to a service samples
+    with the rejection coupling's draws instead."""
+    return not is_greedy(s) and coupling(s) == "gumbel" and s.seed is not None
 
 
 def target_probs(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
@@ -43,9 +83,22 @@ def generator(s: Sampling, position: int, stream: int = 0) -> torch.Generator:
     return g
 
 
+def gumbel_token(logits: torch.Tensor, s: Sampling, position: int) -> int:
+    """The Gumbel-max token at absolute `position`: argmax(log p + g(seed, position)), with p the
+    warped target distribution (temperature / top-k / top-p; -inf off its support). An exact
+    sample from p that depends only on (seed, position, p). Needs a seed (the dispatcher gives
+    every gumbel request one)."""
+    if s.seed is None:
+        raise ValueError("the gumbel coupling needs a seed")
+    log_p = torch.log(target_probs(logits.float().cpu(), s)).numpy()
+    return gumbel.argmax_token(log_p, gumbel.noise(s.seed, position, log_p.shape[-1]))
+
+
 def sample(logits: torch.Tensor, s: Sampling, position: int) -> int:
     """One token from a logits row [V] for absolute position `position`."""
     if is_greedy(s):
         return int(torch.argmax(logits).item())
+    if is_gumbel(s):
+        return gumbel_token(logits, s, position)
     probs = target_probs(logits, s)
     return int(torch.multinomial(probs, 1, generator=generator(s, position)).item())

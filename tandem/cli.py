@@ -379,7 +379,8 @@ def cmd_generate(args) -> int:
     from tandem import Client, TandemError
     kw = dict(mode=args.mode, max_tokens=args.max_tokens, temperature=args.temperature,
               top_k=args.top_k, top_p=args.top_p, seed=args.seed, policy=args.policy,
-              cut=args.cut, chat=args.chat, deadline_s=args.deadline)
+              cut=args.cut, chat=args.chat, deadline_s=args.deadline,
+              sampling_coupling=args.sampling_coupling)
     if _listening(args.endpoint) is False:   # ZMQ would queue the request and wait for minutes
         return _fail(args, "unavailable", f"no dispatcher at {args.endpoint} (connection refused)",
                      "start Tandem with `tandem up --detach` (`tandem status` shows what runs), "
@@ -447,6 +448,9 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--sampling-coupling", choices=["gumbel", "rejection"], default=None,
+                   help="gumbel: the same seed gives the same text in every mode and policy "
+                        "(default: the dispatcher's setting)")
     g.add_argument("--chat", action="store_true", help="apply the chat template")
     g.add_argument("--deadline", type=float, default=None, help="seconds")
     g.add_argument("--json", action="store_true", help='print {"mode","token_ids","text","stats"}')

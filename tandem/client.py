@@ -59,7 +59,8 @@ from tandem.stats import Stats
 
 # A wire field as the argument of `generate` that sets it (InvalidRequest.field).
 _ARGUMENTS = {"sampling.temperature": "temperature", "sampling.top_k": "top_k",
-              "sampling.top_p": "top_p", "sampling.seed": "seed", "token_ids": "prompt",
+              "sampling.top_p": "top_p", "sampling.seed": "seed",
+              "sampling.coupling": "sampling_coupling", "token_ids": "prompt",
               "deadline_s": "deadline_s"}
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5550"
@@ -238,18 +239,22 @@ class AsyncClient:
                  stop_at_eos: bool = True, allow_edge_only: bool = False,
                  nav_thresholds: tuple[float, float] | None = None, end_client: str = "",
                  policy_knobs: dict[str, float] | None = None,
-                 max_retries: int | None = None) -> AsyncStream:
+                 max_retries: int | None = None,
+                 sampling_coupling: str | None = None) -> AsyncStream:
         """Stream a generation of `prompt` (text or token ids) or of `messages` (a conversation,
         [{"role", "content"}], through the target's chat template). `end_client`: the end client
         a gateway sends this for (the dispatcher's per-client limits count it separately).
         `policy_knobs`: spec mode, hold the policy at these knob values (benchmarks' tuning).
+        `sampling_coupling`: "gumbel" (the output depends only on seed + prompt, in every mode
+        and policy) or "rejection" (more drafts accepted); None = the dispatcher's default.
         Returns an AsyncStream; its `result` (and `self.last_result`) holds the whole result
         once it ended normally."""
         args = dict(prompt=prompt, messages=messages, mode=mode, max_tokens=max_tokens,
                     temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, policy=policy,
                     cut=cut, chat=chat, deadline_s=deadline_s, stop_at_eos=stop_at_eos,
                     allow_edge_only=allow_edge_only, nav_thresholds=nav_thresholds,
-                    end_client=end_client, policy_knobs=policy_knobs)
+                    end_client=end_client, policy_knobs=policy_knobs,
+                    sampling_coupling=sampling_coupling)
         retries = self.max_retries if max_retries is None else _check_retries(max_retries)
         return AsyncStream(self, args, retries)
 
@@ -266,7 +271,8 @@ class AsyncClient:
             chat=a["chat"], mode=a["mode"], policy=a["policy"], cut=a["cut"],
             max_tokens=a["max_tokens"], stop_at_eos=a["stop_at_eos"],
             sampling=protocol.Sampling(temperature=a["temperature"], top_k=a["top_k"],
-                                       top_p=a["top_p"], seed=a["seed"]),
+                                       top_p=a["top_p"], seed=a["seed"],
+                                       coupling=a["sampling_coupling"]),
             deadline_s=deadline, allow_edge_only=a["allow_edge_only"],
             nav_thresholds=None if nav is None else [float(r) for r in nav],
             client=a["end_client"],

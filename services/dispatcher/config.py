@@ -75,6 +75,9 @@ class DispatcherConfig(ServiceConfig):
     max_new_tokens: int = setting(4096, "largest max_tokens a request may ask for", ge=1)
     request_timeout_s: float = setting(120.0, "a request with no deadline gets this one", gt=0)
     peer_wait_s: float = setting(10.0, "wait this long for a down peer before failing", ge=0)
+    sampling_coupling: Literal["gumbel", "rejection"] = setting(
+        "rejection", "sampling coupling of a request that names none: gumbel (output depends "
+                     "only on seed + prompt, any mode/policy) | rejection (more drafts accepted)")
     spec: SpecConfig = setting(factory=SpecConfig, help="speculative mode")
     split: SplitConfig = setting(factory=SplitConfig, help="split mode")
     # --- reliability (services/dispatcher/recovery.py, recovery_policy.py) ---

@@ -101,6 +101,14 @@ class NavTrigger:
     def set_thresholds(self, r1: float | None = None, r2: float | None = None) -> None:
         """Move the thresholds (BO autotuner); triggers without that threshold ignore it."""
 
+    def context(self, entropy: float | None, margin: float | None) -> None:
+        """The drafter's entropy and top-2 margin at the token observe() gets next (the learned
+        trigger's features, services/dispatcher/learned_trigger.py); the others ignore them."""
+
+    def round_closed(self) -> None:
+        """The dispatcher closed the current round itself (its length cap, the drafter paused or
+        gone) without this trigger firing; triggers that keep per-round state may restart it."""
+
     # -- hooks ---------------------------------------------------------------------------------
     def _decide(self, p: float, token_id: int | None, position: int | None) -> str | None:
         return None

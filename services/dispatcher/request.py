@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING
 
-from common import metrics, protocol
+from common import metrics, protocol, sampling
 
 if TYPE_CHECKING:   # for annotations only: the dispatcher imports this module
     from services.dispatcher.service import Dispatcher
@@ -52,7 +52,8 @@ class Request:
         self.prompt_ids = prompt_ids
         self.mode = mode
         self.policy = policy
-        self.sampling = msg.sampling
+        # the coupling and (under gumbel) the seed resolved here, so every service agrees
+        self.sampling = sampling.resolved(msg.sampling, d.cfg.sampling_coupling)
         self.max_tokens = msg.max_tokens
         self.eos = d.eos_token_id if msg.stop_at_eos else None
         self.tokens: list[int] = []

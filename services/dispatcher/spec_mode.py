@@ -41,6 +41,7 @@ import math
 import threading
 import time
 
+import msgspec
 import numpy as np
 
 from common import metrics, protocol, sampling
@@ -49,6 +50,7 @@ from common.runtime import PeerError
 from services.dispatcher import recovery
 from services.dispatcher.bo_tuner import BOConfig, BOTuner
 from services.dispatcher.dp_batching import BatchPlanner
+from services.dispatcher.learned_trigger import AcceptanceModel, LearnedTrigger
 from services.dispatcher.link_model import DraftSpeed, DraftSpeedConfig, LinkModel, LinkModelConfig
 from services.dispatcher.nav_trigger import DraftWindow, NavConfig, make_trigger
 from services.dispatcher.spec_session import (POLICIES, Draft, Emit, Hooks, Limit, Rollback,
@@ -71,6 +73,7 @@ class Edge:
         self.windows: dict[str, DraftWindow] = {}
         self.tuners: dict[str, BOTuner] = {}
         self.trees: dict[str, TreePolicy] = {}
+        self.models: dict[str, AcceptanceModel] = {}
         self.tuner_lock = threading.Lock()   # record() runs on a worker thread (GP fits)
         self.cfg = cfg
 
@@ -86,6 +89,12 @@ class Edge:
                 max_nodes=c.tree_nodes, max_depth=c.tree_depth, max_width=c.tree_width,
                 cost_scale=c.tree_cost_scale, node_cost_seed_s=c.tree_node_cost_s))
         return self.trees[policy]
+
+    def acceptance_model(self, policy: str) -> AcceptanceModel:
+        """pipesd-learned's online acceptance model, shared by the policy's sessions."""
+        if policy not in self.models:
+            self.models[policy] = AcceptanceModel()
+        return self.models[policy]
 
     def tuner(self, policy: str) -> BOTuner:
         if policy not in self.tuners:
@@ -122,6 +131,7 @@ class MetricHooks(Hooks):
             metrics.SPEC_ACCEPTED_POS.labels(SERVICE, self.policy, str(i) if i < 15 else "15+").inc()
         if accepted > 16:
             metrics.SPEC_ACCEPTED_POS.labels(SERVICE, self.policy, "15+").inc(accepted - 16)
+        metrics.observe_round(SERVICE, self.policy, accepted, [1] * draft_tokens)   # a chain
 
     def proactive(self, outcome: str, tokens: int) -> None:
         metrics.PROACTIVE.labels(SERVICE, outcome).inc(tokens)
@@ -133,9 +143,13 @@ def check_policy(name: str, sampling_params):
         raise ProtocolError(protocol.BAD_FIELD,
                             f"unknown spec policy {name!r}; one of {sorted(POLICIES)}",
                             field="policy")
-    if policy.name == "oracle-trigger" and not sampling.is_greedy(sampling_params):
+    # the oracle knows the target's output in advance: its greedy output, or under the Gumbel
+    # coupling its seeded output (which no draft changes); rejection sampling's depends on drafts
+    if policy.name == "oracle-trigger" and not sampling.is_greedy(sampling_params) \
+            and sampling_params.coupling != "gumbel":
         raise ProtocolError(protocol.BAD_FIELD, "the oracle-trigger policy needs greedy decoding "
-                                                "(its trigger knows the target's greedy output)",
+                                                "or the gumbel sampling coupling (its trigger knows "
+                                                "the target's output)",
                             field="sampling.temperature")
     return policy
 
@@ -146,7 +160,8 @@ POLICY_KNOBS = {"pipesd": {"r1": (0.0, 1.0), "r2": (0.0, 1.0)},
                 "edgellm": {"r1": (0.0, 1.0), "c": (0.0, 0.999999)},
                 "vanilla": {"n": (0.0, 1024.0)},
                 "oracle-trigger": {},
-                "tree": {"cs": (0.0, 1024.0), "m": (0.0, 64.0)}}   # m: the drafter's max_tree_nodes default
+                "tree": {"cs": (0.0, 1024.0), "m": (0.0, 64.0)},   # m: the drafter's max_tree_nodes default
+                "pipesd-learned": {"k": (0.0, 100.0)}}
 WHOLE_KNOBS = ("n", "m")   # knobs that count something
 
 
@@ -179,7 +194,9 @@ class Spec:
     def validate(self, d, msg) -> None:
         """An unknown policy (or the oracle trigger with sampling), or knobs the policy does
         not have, are a bad field."""
-        check_knobs(check_policy(self.policy(d, msg), msg.sampling), msg.policy_knobs)
+        s = msgspec.structs.replace(msg.sampling, coupling=msg.sampling.coupling
+                                    or d.cfg.sampling_coupling)
+        check_knobs(check_policy(self.policy(d, msg), s), msg.policy_knobs)
 
     def policy(self, d, msg) -> str:
         return msg.policy or d.cfg.spec.policy
@@ -246,6 +263,10 @@ class SpecRun:
         if self.policy.trigger == "edgellm":
             nav.edgellm_r1 = knobs.get("r1", nav.edgellm_r1)
             nav.edgellm_c = knobs.get("c", nav.edgellm_c)
+        if self.policy.trigger == "pipesd-learned":
+            return LearnedTrigger(self.edge.acceptance_model(self.policy.name),
+                                  lambda: (self.vpeer.rtt, *self._params()),
+                                  k=knobs.get("k"), max_length=c.spec.max_draft)
         trig = make_trigger(self.policy.trigger, nav)
         if self.req.msg.nav_thresholds is not None:
             trig.set_thresholds(*self.req.msg.nav_thresholds)
@@ -309,7 +330,8 @@ class SpecRun:
             await self.dch.send(protocol.DraftOpen(
                 sid=req.sid, seq=OPEN_SEQ, token_ids=req.prompt_ids, sampling=req.sampling,
                 top_k=self.cfg.spec.q_width, max_tokens=req.max_tokens,
-                tree_nodes=self._tree_nodes() if self.policy.tree else 0))
+                tree_nodes=self._tree_nodes() if self.policy.tree else 0,
+                features=self.policy.trigger == "pipesd-learned"))
         else:
             log.warning("drafter at %s is down: %s goes on with the target alone",
                         d.drafter.endpoint, req.sid)
@@ -380,7 +402,8 @@ class SpecRun:
         try:
             await ch.send(protocol.CloudGenerate(sid=f"{req.sid}-oracle", seq=OPEN_SEQ,
                                                  token_ids=req.prompt_ids,
-                                                 max_tokens=req.max_tokens))
+                                                 max_tokens=req.max_tokens,
+                                                 sampling=req.sampling))
             while len(out) < req.max_tokens:
                 msg, _ = await ch.recv(timeout=max(0.001, req.remaining()))
                 if isinstance(msg, protocol.CloudTokens) and msg.index == len(out):
@@ -491,10 +514,14 @@ class SpecRun:
             await self.act(actions)
             return
         actions = []
+        n = len(msg.token_ids)
+        entropies = msg.entropies if msg.entropies and len(msg.entropies) == n else [None] * n
+        margins = msg.margins if msg.margins and len(msg.margins) == n else [None] * n
         for i, (t, p) in enumerate(zip(msg.token_ids, msg.probs)):
             actions += self.sm.on_draft(Draft(msg.start + i, t, p,
                                               None if q_ids is None else q_ids[i],
-                                              None if q_probs is None else q_probs[i]))
+                                              None if q_probs is None else q_probs[i],
+                                              entropies[i], margins[i]))
         await self.act(actions)
 
     # --- actions -------------------------------------------------------------------------------

@@ -69,6 +69,11 @@ POLICIES = {
     "tree": Policy("tree", "tree", dp=True, proactive=True, stream=False, bo=False, tree=True),
     "tree-stream": Policy("tree-stream", "tree", dp=True, proactive=True, stream=True, bo=False,
                           tree=True),
+    # PipeSD with the dual threshold replaced by an online acceptance model and a stopping rule
+    # priced by the link model (services/dispatcher/learned_trigger.py); it tunes itself, so the
+    # (R1, R2) autotuner has nothing to move (its knob k goes through bench/tuning.py's BO)
+    "pipesd-learned": Policy("pipesd-learned", "pipesd-learned", dp=True, proactive=True,
+                             stream=False, bo=False),
 }
 
 
@@ -79,6 +84,8 @@ class Draft:
     prob: float
     q_ids: np.ndarray | None = None
     q_probs: np.ndarray | None = None
+    entropy: float | None = None   # the drafter's distribution there (pipesd-learned's features)
+    margin: float | None = None
 
 
 @dataclass
@@ -347,6 +354,7 @@ class SpecRounds:
         if r.parent and p == r.base:
             return []    # the guess of the parent's bonus: travels with the child's first batch
         d = self.drafts[p - self.C]
+        self.trigger.context(d.entropy, d.margin)
         reason = self.trigger.observe(d.prob, d.token, p - self.prompt_len)
         active = r is self.rounds[0]
         if reason is None and p >= self.final - 2:
@@ -373,6 +381,7 @@ class SpecRounds:
 
     def _nav(self, r: Round, reason: str) -> list:
         r.closed = True
+        self.trigger.round_closed()   # a no-op when the trigger itself fired
         self.stats.nav_reasons[reason] = self.stats.nav_reasons.get(reason, 0) + 1
         self.hooks.nav(reason)
         out: list = []

@@ -32,11 +32,15 @@ Greedy: the draft is the argmax; P(D_n) its softmax probability. Sampling: the d
 from a *truncated* distribution q (temperature, then the top-k with k <= 64, then top-p), and q
 travels sparse as (ids, probs) so the verifier can do exact speculative sampling against it;
 P(D_n) = q(D_n). Draws are keyed by (seed, position), so a seeded request drafts reproducibly.
+Gumbel coupling (`Sampling.coupling = "gumbel"`, common/gumbel.py): the draft is
+argmax(log q + g(seed, position)) with the noise the target uses, so it is accepted exactly when
+it is the target's token; no q travels (the verifier needs none).
 """
 
 from __future__ import annotations
 
 import ctypes
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -45,6 +49,7 @@ import numpy as np
 
 import llama_cpp as L
 
+from common import gumbel
 from common.protocol import Sampling
 from common.tree_shape import ROOT, Shape, TreeGrower
 
@@ -100,6 +105,8 @@ class Draft:
     seconds: float                   # compute time of this step (evaluation + softmax + choice)
     q_ids: np.ndarray | None = None  # int32 [k]: support of q (sampling only)
     q_probs: np.ndarray | None = None  # float32 [k]: q on that support, sums to 1
+    entropy: float | None = None     # nats, of the temperature-scaled distribution (features)
+    margin: float | None = None      # its top-1 minus top-2 probability (features)
 
 
 @dataclass
@@ -133,8 +140,9 @@ class DraftModel:
         self.threads = threads
 
     def session(self, prompt: list[int], n_ctx: int, sampling: Sampling,
-                q_width: int = 16, n_batch: int = 256, tree_nodes: int = 0) -> "DraftSession":
-        return DraftSession(self, prompt, n_ctx, sampling, q_width, n_batch, tree_nodes)
+                q_width: int = 16, n_batch: int = 256, tree_nodes: int = 0,
+                features: bool = False) -> "DraftSession":
+        return DraftSession(self, prompt, n_ctx, sampling, q_width, n_batch, tree_nodes, features)
 
     def close(self) -> None:
         if self.model:
@@ -146,7 +154,7 @@ class DraftSession:
     """One session's llama.cpp context, its token list and its position in the KV cache."""
 
     def __init__(self, model: DraftModel, prompt: list[int], n_ctx: int, sampling: Sampling,
-                 q_width: int, n_batch: int, tree_nodes: int = 0):
+                 q_width: int, n_batch: int, tree_nodes: int = 0, features: bool = False):
         if not prompt:
             raise DraftError("empty prompt")
         bad = [t for t in prompt if not 0 <= t < model.n_vocab]
@@ -158,6 +166,11 @@ class DraftSession:
             raise DraftError(f"prompt of {len(prompt)} tokens does not fit a {self.n_ctx}-token context")
         self.sampling = sampling
         self.greedy = sampling.temperature <= 0.0
+        self.features = features   # each draft carries its entropy and top-2 margin (~0.3 ms)
+        # the Gumbel coupling needs the seed the target uses (the dispatcher gives one); without
+        # it (a direct client) drafting falls back to rejection sampling's draws, as the cloud does
+        self.gumbel = (not self.greedy and sampling.coupling == "gumbel"
+                       and sampling.seed is not None)
         self.q_width = max(1, min(MAX_Q_WIDTH, int(q_width)))
         if sampling.top_k > 0:
             self.q_width = min(self.q_width, sampling.top_k)
@@ -240,11 +253,17 @@ class DraftSession:
         if self.greedy:
             token, prob = _greedy(logits)
             draft = Draft(position, token, prob, 0.0)
+        elif self.gumbel:
+            token, prob = _gumbel(logits, self.sampling, position)
+            draft = Draft(position, token, prob, 0.0)
         else:
             ids, probs = _truncated(logits, self.sampling, self.q_width)
             rng = np.random.Generator(np.random.PCG64([self.seed_base, position, 0x7A9D]))
             k = int(rng.choice(len(ids), p=probs.astype(np.float64) / probs.sum(dtype=np.float64)))
             draft = Draft(position, int(ids[k]), float(probs[k]), 0.0, ids, probs)
+        if self.features:
+            draft.entropy, draft.margin = _entropy_margin(
+                logits, 1.0 if self.greedy else self.sampling.temperature)
         self.tokens.append(draft.token)
         draft.seconds = time.perf_counter() - t
         return draft
@@ -441,6 +460,43 @@ def _greedy(logits: np.ndarray) -> tuple[int, float]:
     m = logits[token]
     prob = 1.0 / float(np.exp(logits - m, dtype=np.float32).sum(dtype=np.float64))
     return token, prob
+
+
+def _entropy_margin(logits: np.ndarray, temperature: float) -> tuple[float, float]:
+    """Entropy (nats) and top-1 minus top-2 probability of softmax(logits / temperature)."""
+    x = logits.astype(np.float64) / max(temperature, 1e-6)
+    top2 = np.partition(x, x.shape[0] - 2)[-2:]
+    m = top2.max()
+    e = np.exp(x - m)
+    z = float(e.sum())
+    entropy = math.log(z) - float(e @ (x - m)) / z
+    margin = (1.0 - math.exp(float(top2.min()) - m)) / z
+    return max(0.0, entropy), min(1.0, max(0.0, margin))
+
+
+def _gumbel(logits: np.ndarray, s: Sampling, position: int) -> tuple[int, float]:
+    """The Gumbel-max draft argmax(log q + g(seed, position)) and q(draft). q is the draft model's
+    distribution warped as the target's is (common/sampling.target_probs): temperature, top-k,
+    top-p; a support wider than MAX_Q_WIDTH tokens is cut there (this only shapes the draft,
+    never the output)."""
+    g = gumbel.noise(s.seed, position, logits.shape[0])
+    x = logits.astype(np.float64) / max(s.temperature, 1e-6)
+    e = np.exp(x - x.max())
+    if s.top_k <= 0 and s.top_p >= 1.0:
+        token = gumbel.argmax_token(x, g)  # log q = x - logsumexp(x): the shift changes no argmax
+        return token, min(1.0, float(e[token] / e.sum()))
+    k = min(s.top_k or MAX_Q_WIDTH, MAX_Q_WIDTH, x.shape[0])
+    ids = np.argpartition(-x, k - 1)[:k]
+    ids = ids[np.argsort(-x[ids], kind="stable")]
+    # normalised over the top-k when top-k is on, else over the whole vocabulary (as the target)
+    p = e[ids] / (e[ids].sum() if s.top_k > 0 else e.sum())
+    if s.top_p < 1.0:
+        n = max(1, int(np.count_nonzero(np.cumsum(p) - p < s.top_p)))
+        p[n:] = 0.0
+    p /= p.sum()
+    with np.errstate(divide="ignore"):
+        j = gumbel.argmax_token(np.log(p), g[ids])
+    return int(ids[j]), float(p[j])
 
 
 def _truncated(logits: np.ndarray, s: Sampling, k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -112,7 +112,7 @@ class Drafter(Service):
                                 field="tree_nodes")
         try:
             draft = self.model.session(list(msg.token_ids), n_ctx, s, msg.top_k,
-                                       self.cfg.n_batch, msg.tree_nodes)
+                                       self.cfg.n_batch, msg.tree_nodes, features=msg.features)
         except DraftError as e:
             raise ProtocolError(protocol.BAD_FIELD, str(e)) from None
         sess = DrafterSession(msg.sid, ident, msg.rid, msg.seq, draft)
@@ -291,6 +291,8 @@ class Drafter(Service):
             msg.q_ids, ids = protocol.tensor_frame(d.q_ids.reshape(1, -1), 0)
             msg.q_probs, probs = protocol.tensor_frame(d.q_probs.reshape(1, -1), 1)
             buffers = [ids, probs]
+        if d.entropy is not None:
+            msg.entropies, msg.margins = [min(100.0, d.entropy)], [d.margin]
         return msg, buffers
 
 

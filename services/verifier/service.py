@@ -17,7 +17,7 @@ import time
 import numpy as np
 import torch
 
-from common import metrics, protocol
+from common import metrics, protocol, sampling
 from common.protocol import Msg, ProtocolError
 from common.runtime import Service, check_token_ids
 from services.verifier import spec_verify
@@ -115,7 +115,7 @@ class Verifier(Service):
             raise ProtocolError(protocol.BAD_FIELD, "empty draft batch", field="token_ids")
         check_token_ids(msg.token_ids, self.vocab_size)
         q_ids = q_probs = None
-        if not s.greedy:
+        if not s.greedy and not sampling.is_gumbel(s.sampling):   # gumbel: no q needed
             if msg.q_ids is None or msg.q_probs is None:
                 raise ProtocolError(protocol.BAD_FIELD, "sampling needs q_ids and q_probs",
                                     field="q_ids")

@@ -13,6 +13,11 @@ Pure functions on one position at a time; no model, no session state, so they ar
 * Randomness is keyed by (request seed, position, stream): stream 1 is the acceptance uniform,
   stream 2 the resample, stream 0 a plain draw from p (the bonus token, and cloud-only decode),
   so a seeded request gives the same tokens however its positions were batched.
+* Gumbel coupling (`Sampling.coupling = "gumbel"`): the target's token is
+  argmax(log p + g(seed, position)) (common/sampling.gumbel_token) and the draft, drafted as
+  argmax(log q + g) with the same noise, is accepted iff it is that token: the greedy walk, with
+  no q needed. The token never depends on the draft, so the output is the same for every drafter,
+  policy and batching.
 """
 
 from __future__ import annotations
@@ -74,6 +79,9 @@ def decide(logits: torch.Tensor, draft: int, s: Sampling, position: int,
     """Check the draft token at absolute `position` against the target's logits row for it."""
     if sampling.is_greedy(s):
         return greedy(logits, draft)
+    if sampling.is_gumbel(s):
+        token = sampling.gumbel_token(logits, s, position)
+        return Decision(token, token == draft)
     p = sampling.target_probs(logits.float().cpu(), s)   # seeded generators live on the CPU
     u = float(torch.rand(1, generator=sampling.generator(s, position, ACCEPT_STREAM)).item())
     return speculative(p, draft, q_ids, q_probs, u,

@@ -57,7 +57,7 @@ def test_bench_spec_quick(tmp_path):
     assert not set(doc["test_prompts"]) & set(doc["tuning_prompts"])
     rows = doc["results"]
     assert {r["policy"] for r in rows} == {"cloud-only", "vanilla", "hsl", "edgellm", "pipesd",
-                                          "pipesd-stream", "oracle-trigger"}
+                                          "pipesd-stream", "pipesd-learned", "oracle-trigger"}
     for r in rows:
         assert SPEC_FIELDS <= set(r), SPEC_FIELDS - set(r)
         assert r["identical_to_reference"] is True and r["tpt_ms"] > 0

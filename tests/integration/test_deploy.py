@@ -255,7 +255,12 @@ def test_dashboards_cover_the_design():
                         "tandem_spec_accepted_tokens_per_pos_total",
                         "tandem_time_per_accepted_token_seconds_sum",
                         "tandem_spec_draft_length_bucket", "tandem_spec_nav_triggers_total",
-                        "tandem_spec_policy_parameter", "tandem_spec_proactive_tokens_total"},
+                        "tandem_spec_policy_parameter", "tandem_spec_proactive_tokens_total",
+                        # vLLM's shape, for chains and trees (issue #14 item 6)
+                        "tandem_spec_accepted_tokens_per_round_bucket",
+                        "tandem_spec_accepted_tokens_per_depth_total",
+                        "tandem_spec_draft_tokens_per_depth_total",
+                        "tandem_spec_tree_nodes_per_round_bucket"},
         "split": {"tandem_split_tokens_total", "tandem_split_window_size_bucket",
                   "tandem_split_window_depth_layers_bucket",
                   "tandem_split_forward_calls_per_step_bucket",
@@ -389,6 +394,7 @@ _SYNTHETIC_EXPORTER = textwrap.dedent("""
                 m.SPEC_ACCEPTED_POS.labels(d, pol, str(pos)).inc()
             m.SPEC_DRAFT_LEN.labels(d, pol).observe(random.randint(1, 12))
             m.SPEC_BATCH_SIZE.labels(d, pol).observe(random.randint(1, 6))
+            m.observe_round(d, pol, random.randint(0, 6), [1] * 6)
             m.NAV_TRIGGERS.labels(d, pol, random.choice(("r1", "r2", "window"))).inc()
         m.PROACTIVE.labels(d, "kept").inc(3)
         m.PROACTIVE.labels(d, "discarded").inc(1)

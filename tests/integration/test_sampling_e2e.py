@@ -10,7 +10,12 @@ with and without top-k / top-p, N seeded requests each (TANDEM_SAMPLING_DRAWS, d
   token is near-certain (" Celsius", 97-100 %), given that first token (8 tokens over 1 %).
 A chi-square test over the tokens with an expected count of at least 5 (the rest pooled) must
 not reject at p < 1e-4; a token transformers gives probability 0 must never be drawn. Slow:
-minutes per mode."""
+minutes per mode.
+
+Under the Gumbel coupling (`sampling_coupling="gumbel"`, issue #14 item 7) a seed fixes the
+output whatever the mode: TANDEM_GUMBEL_DRAWS seeds (default 400) give token-for-token the same
+draws in cloud-only, spec (pipesd, vanilla) and split mode, and those draws pass the same
+chi-square against transformers."""
 
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ from tandem import AsyncClient
 pytestmark = pytest.mark.slow
 
 DRAWS = int(os.environ.get("TANDEM_SAMPLING_DRAWS", "2000"))
+GUMBEL_DRAWS = int(os.environ.get("TANDEM_GUMBEL_DRAWS", "400"))   # every mode draws the same
 FLAT_PROMPT = "My favourite fruit is"            # position 0: many likely tokens
 SURE_PROMPT = "Water boils at 100 degrees"       # position 0 near-certain, position 1 spread
 TEMPERATURE = 0.8
@@ -98,7 +104,7 @@ def chi_square(counts: Counter, probs: np.ndarray) -> tuple[float, str]:
 
 
 async def draws(endpoint: str, ids: list[int], n_tokens: int, mode: dict,
-                config: dict) -> list[list[int]]:
+                config: dict, n_draws: int = DRAWS) -> list[list[int]]:
     async with AsyncClient(endpoint, timeout_s=600) as c:
         sem = asyncio.Semaphore(CONCURRENCY)
 
@@ -107,7 +113,7 @@ async def draws(endpoint: str, ids: list[int], n_tokens: int, mode: dict,
                 r = await c.complete(ids, max_tokens=n_tokens, stop_at_eos=False,
                                      temperature=TEMPERATURE, seed=seed, **config, **mode)
                 return list(r.token_ids)
-        return await asyncio.gather(*[one(s) for s in range(DRAWS)])
+        return await asyncio.gather(*[one(s) for s in range(n_draws)])
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
@@ -129,4 +135,28 @@ def test_draws_follow_transformers(cluster, tokenizer, hf_model, mode, config):
           f"{tokenizer.decode([t0])!r} p = {p1:.3g} ({what1})")
     assert p0 >= P_MIN, f"position 0: {what0}, p = {p0:.3g}"
     assert n0 >= 0.9 * DRAWS, f"the first token {t0} came {n0} times of {DRAWS}"
+    assert p1 >= P_MIN, f"position 1: {what1}, p = {p1:.3g}"
+
+
+def test_gumbel_draws_are_one_per_seed_in_every_mode_and_follow_transformers(cluster, tokenizer,
+                                                                              hf_model):
+    endpoint = cluster.endpoint("dispatcher")
+    gumbel = {"sampling_coupling": "gumbel", "top_k": 20, "top_p": 0.95}
+    kw = {"top_k": 20, "top_p": 0.95}
+    modes = ("cloud-only", "spec-pipesd", "spec-vanilla", "split")
+    flat, sure = tokenizer.encode(FLAT_PROMPT), tokenizer.encode(SURE_PROMPT)
+    out0 = {m: asyncio.run(draws(endpoint, flat, 1, MODES[m], gumbel, GUMBEL_DRAWS))
+            for m in modes}
+    out1 = {m: asyncio.run(draws(endpoint, sure, 2, MODES[m], gumbel, GUMBEL_DRAWS))
+            for m in modes}
+    for m in modes:   # seed for seed, the same tokens
+        assert out0[m] == out0["cloud-only"], f"{m} differs from cloud-only at position 0"
+        assert out1[m] == out1["cloud-only"], f"{m} differs from cloud-only at position 1"
+    p0, what0 = chi_square(Counter(o[0] for o in out0["cloud-only"]),
+                           transformers_probs(hf_model, flat, **kw))
+    t0, _ = Counter(o[0] for o in out1["cloud-only"]).most_common(1)[0]
+    second = Counter(o[1] for o in out1["cloud-only"] if o[0] == t0)
+    p1, what1 = chi_square(second, transformers_probs(hf_model, sure + [t0], **kw))
+    print(f"gumbel: position 0 p = {p0:.3g} ({what0}); position 1 p = {p1:.3g} ({what1})")
+    assert p0 >= P_MIN, f"position 0: {what0}, p = {p0:.3g}"
     assert p1 >= P_MIN, f"position 1: {what1}, p = {p1:.3g}"

@@ -27,6 +27,7 @@ from common.launcher import Cluster
 from common.protocol import Sampling
 from services.dispatcher import spec_session as ss
 from services.dispatcher.dp_batching import BatchPlanner
+from services.dispatcher.learned_trigger import AcceptanceModel, LearnedTrigger
 from services.dispatcher.nav_trigger import DraftWindow, NavConfig, make_trigger
 from services.verifier.spec import SpecSession
 from tests.conftest import PROMPTS, forwards_over_one_session, long_prompt
@@ -84,7 +85,11 @@ def simulate(policy: str, prompt, n, schedule_seed, s=Sampling(), dup=0.0, kill_
     pol = ss.POLICIES[policy]
     if stream is not None:
         pol = ss.Policy(pol.name, pol.trigger, pol.dp, pol.proactive, stream, pol.bo)
-    trigger = make_trigger(pol.trigger, NavConfig(max_length=16, fixed_length=5))
+    if pol.trigger == "pipesd-learned":   # its model and the link's costs come from the dispatcher
+        trigger = LearnedTrigger(AcceptanceModel(), lambda: (0.05, 0.004, 0.0005, 0.002),
+                                 max_length=16)
+    else:
+        trigger = make_trigger(pol.trigger, NavConfig(max_length=16, fixed_length=5))
     if policy == "oracle-trigger":
         trigger.set_reference(target_greedy(prompt, n))
     sm = ss.SpecRounds(len(prompt), n, pol, trigger, BatchPlanner(), DraftWindow(),
@@ -171,7 +176,8 @@ def simulate(policy: str, prompt, n, schedule_seed, s=Sampling(), dup=0.0, kill_
     return out[:n], sm.stats
 
 
-SIM_POLICIES = ["pipesd", "pipesd-stream", "vanilla", "hsl", "edgellm", "oracle-trigger"]
+SIM_POLICIES = ["pipesd", "pipesd-stream", "vanilla", "hsl", "edgellm", "oracle-trigger",
+                "pipesd-learned"]
 
 
 @pytest.mark.parametrize("policy", SIM_POLICIES)
@@ -225,7 +231,8 @@ def test_results_for_unknown_or_finished_rounds_are_ignored():
 
 # --- 2. real services ---------------------------------------------------------------------------
 MAX_TOKENS = 24
-POLICIES = ["pipesd", "pipesd-stream", "vanilla", "hsl", "edgellm", "oracle-trigger"]
+POLICIES = ["pipesd", "pipesd-stream", "vanilla", "hsl", "edgellm", "oracle-trigger",
+            "pipesd-learned"]
 KINDS = ["plain", "chat", "code"]
 
 

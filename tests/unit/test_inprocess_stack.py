@@ -45,7 +45,7 @@ def test_cloud_only_equals_transformers(stack, ids, reference):
 
 
 @pytest.mark.parametrize("policy", ["pipesd", "pipesd-stream", "vanilla", "hsl", "edgellm",
-                                    "tree", "tree-stream"])
+                                    "tree", "tree-stream", "pipesd-learned"])
 def test_spec_equals_transformers(stack, ids, reference, policy):
     r = _gen(stack, ids[0], mode="spec", policy=policy)
     assert r.token_ids == reference(ids[0], N)
