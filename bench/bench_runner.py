@@ -121,7 +121,13 @@ def source_gguf(target: Path) -> str | None:
     if not meta.is_file():
         return None
     src = json.loads(meta.read_text()).get("source_gguf")
-    return None if src is None or not os.path.isfile(src) else src
+    if src is None:
+        return None
+    if os.path.isfile(src):
+        return src
+    # the models directory moved since (another checkout, a mounted volume): look beside the target
+    beside = target.parent / Path(src).name
+    return str(beside) if beside.is_file() else None
 
 
 TREE_PARENTS = [x for d in range(8) for x in [d * 4 - 4 if d else -1] * 4]   # 8 deep, 4 wide

@@ -122,7 +122,8 @@ class MetricHooks(Hooks):
             metrics.POLICY_PARAM.labels(SERVICE, self.policy, name).set(value)
         log.debug("DP plan (%s): %s", self.policy, planner.describe())
 
-    def round(self, draft_tokens: int, accepted: int, early: bool) -> None:
+    def round(self, draft_tokens: int, accepted: int, early: bool,
+              nodes_per_depth: list[int] | None = None) -> None:
         metrics.SPEC_DRAFTS.labels(SERVICE, self.policy).inc()
         metrics.SPEC_DRAFT_TOKENS.labels(SERVICE, self.policy).inc(draft_tokens)
         metrics.SPEC_ACCEPTED.labels(SERVICE, self.policy).inc(accepted)
@@ -131,7 +132,8 @@ class MetricHooks(Hooks):
             metrics.SPEC_ACCEPTED_POS.labels(SERVICE, self.policy, str(i) if i < 15 else "15+").inc()
         if accepted > 16:
             metrics.SPEC_ACCEPTED_POS.labels(SERVICE, self.policy, "15+").inc(accepted - 16)
-        metrics.observe_round(SERVICE, self.policy, accepted, [1] * draft_tokens)   # a chain
+        metrics.observe_round(SERVICE, self.policy, accepted,
+                              nodes_per_depth or [1] * draft_tokens)   # None: a chain
 
     def proactive(self, outcome: str, tokens: int) -> None:
         metrics.PROACTIVE.labels(SERVICE, outcome).inc(tokens)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from common import protocol
+from common import protocol, tree
 from common.tree_shape import ROOT, check_parents
 from services.dispatcher.dp_batching import BatchPlanner
 from services.dispatcher.nav_trigger import DraftWindow, NavTrigger
@@ -208,7 +208,7 @@ class TreeRounds:
                             f"path {path}) does not fit what was sent (start {r.start}, "
                             f"{r.sent} nodes)")
         out: list = [Emit([r.tokens[i] for i in path] + [token])]
-        self._count(r.sent, accepted, early)
+        self._count(r.sent, accepted, early, _width_per_depth(r.parents[:r.sent]))
         if r.sent:
             self.tree.observe_round(r.parents[:r.sent], r.probs[:r.sent], path)
         self.rounds.pop(0)
@@ -271,14 +271,15 @@ class TreeRounds:
             return []
         return out + [SendNav(c.id, c.end, reason)]
 
-    def _count(self, sent: int, accepted: int, early: bool) -> None:
+    def _count(self, sent: int, accepted: int, early: bool,
+               nodes_per_depth: list[int] | None = None) -> None:
         st = self.stats
         st.rounds += 1
         st.draft_tokens += sent
         st.accepted += accepted
         st.early_rejects += int(early)
         st.accepted_per_round.append(accepted)
-        self.hooks.round(sent, accepted, early)
+        self.hooks.round(sent, accepted, early, nodes_per_depth)
 
     def drafter_lost(self) -> list:
         """No more nodes will come: verify what was sent, then zero rounds."""
@@ -362,3 +363,9 @@ def _main_path(parents: list[int]) -> list[int]:
             return path
         path.append(kid)
         want = kid
+
+
+def _width_per_depth(parents: list[int]) -> list[int]:
+    """Nodes at each depth of a tree (the metrics' `nodes_per_depth`)."""
+    ds = tree.depths(parents)
+    return [ds.count(d) for d in range(max(ds) + 1)] if ds else []

@@ -186,11 +186,9 @@ def tree_choose(logits: torch.Tensor, children: list[int], s: Sampling, position
     if sampling.is_greedy(s):
         token = int(torch.argmax(logits).item())
         return TreeStep(token, children.index(token) if token in children else None)
-    # The Gumbel coupling (#14 item 7, the LEARN branch's common/sampling.is_gumbel /
-    # gumbel_token; looked up so that this works before and after that merge): the token is
-    # argmax(log p + g), whatever was drafted, and the walk matches it like greedy.
-    is_gumbel = getattr(sampling, "is_gumbel", None)
-    if is_gumbel is not None and is_gumbel(s):
+    # The Gumbel coupling: the token is argmax(log p + g), whatever was drafted, and the walk
+    # matches it against the children as greedy does
+    if sampling.is_gumbel(s):
         token = sampling.gumbel_token(logits, s, position)
         return TreeStep(token, children.index(token) if token in children else None)
     if not children:

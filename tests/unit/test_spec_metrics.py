@@ -58,3 +58,11 @@ def test_bench_rows_carry_accepted_tokens_per_round():
                        for k, r, a in (("A", 4, 10), ("B", 6, 5))]}
     (row,) = policy_rows(runs, ["A", "B"], {"A": 20.0, "B": 20.0}, {})
     assert row["accepted_tokens_per_round"] == pytest.approx(15 / 10)
+
+
+def test_a_tree_round_reports_its_width_per_depth():
+    """The dispatcher's tree rounds hand the metrics each depth's node count, not a chain's."""
+    from services.dispatcher.tree_session import _width_per_depth
+    assert _width_per_depth([-1, -1, 0, 0, 1, 2]) == [2, 3, 1]
+    assert _width_per_depth([-1, 0, 1]) == [1, 1, 1]      # a chain-shaped tree
+    assert _width_per_depth([]) == []
