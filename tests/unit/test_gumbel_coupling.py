@@ -140,7 +140,10 @@ def test_same_seed_same_output_in_every_mode_policy_and_threshold(stack, tokeniz
     runs = {f"split cut {c}": dict(mode="split", cut=c) for c in (1, 10, 29)}
     runs.update({f"spec {p}": dict(mode="spec", policy=p)
                  for p in ("pipesd", "pipesd-stream", "vanilla", "hsl", "edgellm",
-                           "oracle-trigger", "pipesd-learned")})
+                           "oracle-trigger", "pipesd-learned", "tree", "tree-stream")})
+    # wide trees: siblings are drafted, and the walk must still land on the seed's tokens
+    runs["spec tree cs=0.05 m=24"] = dict(mode="spec", policy="tree",
+                                          policy_knobs={"cs": 0.05, "m": 24})
     # thresholds moved (as the autotuner moves them between requests) and other draft lengths
     runs.update({"spec pipesd R=(0.3, 0.5)": dict(mode="spec", policy="pipesd",
                                                   nav_thresholds=(0.3, 0.5)),
