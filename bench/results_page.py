@@ -368,6 +368,19 @@ def defaults_section(doc: dict, name: str) -> str:
     return "\n".join(out)
 
 
+def coupling_section(doc: dict, name: str) -> str:
+    """`tandem bench coupling`: accepted tokens per round under the two sampling couplings."""
+    rows = [[r["policy"], r["pairs"], r["rejection"]["accepted_tokens_per_round"],
+             _ci(r["rejection"]["ci95"]), r["gumbel"]["accepted_tokens_per_round"],
+             _ci(r["gumbel"]["ci95"]), r["gumbel_over_rejection"], _ci(r["ratio_ci95"])]
+            for r in doc["results"]]
+    return (f"### Sampling couplings — `{name}`\n\nAccepted draft tokens per verification round "
+            "(mean over (prompt, seed) pairs, 95 % bootstrap intervals, the ratio paired), "
+            "rejection sampling vs the Gumbel-max coupling (#14 item 7).\n\n"
+            + _md_table(rows, ["policy", "pairs", "rejection", "95 % CI", "gumbel", "95 % CI",
+                               "gumbel / rejection", "95 % CI"]))
+
+
 def generic_section(doc: dict, name: str) -> str:
     return (f"### {doc['bench']} — `{name}`\n\n```json\n"
             + json.dumps(doc["results"], indent=1, default=str)[:6000] + "\n```")
@@ -413,7 +426,8 @@ def main(argv=None) -> int:
             parts += [f"Note: {doc['note']}", ""]
         section = {"spec": spec_section, "split": split_section,
                    "tuner": tuner_section, "runner": runner_section,
-                   "defaults": defaults_section}.get(doc["bench"], generic_section)
+                   "defaults": defaults_section,
+                   "coupling": coupling_section}.get(doc["bench"], generic_section)
         parts += [section(doc, f.stem), ""]
         drawable = doc["bench"] != "split" or any(
             r.get("throughput_tok_s") is not None for r in split_rows(doc))
