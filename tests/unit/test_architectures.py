@@ -76,15 +76,6 @@ def build(name: str, out) -> None:
     model.save_pretrained(str(out))
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
-def tiny(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(request.param)
-    build(request.param, path)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=torch.float32, attn_implementation="eager").eval()
-    return request.param, path, ref, LayerRangeRunner(path)
-
-
 def hf_logits(ref, ids) -> torch.Tensor:
     with torch.inference_mode():
         return ref(torch.tensor([list(ids)])).logits[0]

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 
 from common import tree
 from common.runner import LayerRangeRunner, Segment
-from tests.unit.test_architectures import CONFIGS, PROMPT, assert_close, build, hf_logits
+from tests.unit.test_architectures import PROMPT, assert_close, hf_logits
 
 # Branching at the root and below, depth 4, a deep node whose ancestors are not its neighbours.
 TREE_PARENTS = [-1, -1, 0, 0, 1, 2, 3, 5, -1, 7]
@@ -40,23 +39,14 @@ def check_tree_rows(ref, rows, prompt, tokens, parents, what):
         assert_close(rows[1 + i], hf_logits(ref, ids)[-1], f"{what} node {i}")
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
-def tiny(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(request.param)
-    build(request.param, path)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=torch.float32, attn_implementation="eager").eval()
-    return request.param, ref, LayerRangeRunner(path)
-
-
 def test_tree_rows_equal_transformers_on_every_family(tiny):
-    name, ref, runner = tiny
+    name, _, ref, runner = tiny
     _, rows, _ = tree_forward(runner, PROMPT, TREE_TOKENS, TREE_PARENTS)
     check_tree_rows(ref, rows, PROMPT, TREE_TOKENS, TREE_PARENTS, name)
 
 
 def test_move_rows_keeps_one_path_then_decoding_goes_on(tiny):
-    name, ref, runner = tiny
+    name, _, ref, runner = tiny
     kv, _, _ = tree_forward(runner, PROMPT, TREE_TOKENS, TREE_PARENTS)
     path = tree.root_path(TREE_PARENTS, 7)            # 0 -> 2 -> 5 -> 7: not the first rows
     start = len(PROMPT)
@@ -94,7 +84,7 @@ def test_smollm2_tree_batched_beside_a_chain(model_paths, hf_model, tokenizer):
 
 
 def test_tree_segments_are_checked(tiny):
-    _, _, runner = tiny
+    _, _, _, runner = tiny
     kv = runner.new_kv()
     positions, seen = tree.attention([-1, 0])
     with pytest.raises(ValueError, match="tree"):

@@ -7,20 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 
 from common.runner import LayerRangeRunner, Segment
 from common.static_decode import StaticDecodeStep
-from tests.unit.test_architectures import CONFIGS, PROMPT, assert_close, build, hf_logits
-
-
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
-def tiny(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(request.param)
-    build(request.param, path)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=torch.float32, attn_implementation="eager").eval()
-    return request.param, path, ref, LayerRangeRunner(path)
+from tests.unit.test_architectures import PROMPT, assert_close, hf_logits
 
 
 def test_static_step_equals_forward_and_transformers(tiny):

@@ -1,0 +1,21 @@
+"""Fixtures shared by the unit tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from common.runner import LayerRangeRunner
+from tests.unit.test_architectures import CONFIGS, build
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def tiny(request, tmp_path_factory):
+    """Each supported family as a tiny seeded random model (tests/unit/test_architectures.py):
+    (family, its directory, transformers' model as the reference, the runner on it)."""
+    path = tmp_path_factory.mktemp(request.param)
+    build(request.param, path)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=torch.float32, attn_implementation="eager").eval()
+    return request.param, path, ref, LayerRangeRunner(path)
