@@ -151,19 +151,15 @@ def tree_vs_chain(runner, ctx: int, steps: int, reps: int) -> tuple[list[dict], 
     positions, ancestors = tree.attention(TREE_PARENTS)
     keep = [ctx + 1 + i for i in tree.main_path(TREE_PARENTS)[:4]]
 
-    def chain8() -> float:
-        def run():
-            for _ in range(steps):
-                runner.forward([Segment(kv, prompt[ctx: ctx + 9], "all")], 0, L)
-                kv.truncate(ctx)
-        return _ms(run) / steps
-
-    def chain32() -> float:
-        def run():
-            for _ in range(steps):
-                runner.forward([Segment(kv, prompt[ctx: ctx + 33], "all")], 0, L)
-                kv.truncate(ctx)
-        return _ms(run) / steps
+    def chain(k: int):
+        """Verify a chain of k drafts (k + 1 rows with the last committed token)."""
+        def timed() -> float:
+            def run():
+                for _ in range(steps):
+                    runner.forward([Segment(kv, prompt[ctx: ctx + k + 1], "all")], 0, L)
+                    kv.truncate(ctx)
+            return _ms(run) / steps
+        return timed
 
     def tree32() -> float:
         def run():
@@ -174,7 +170,7 @@ def tree_vs_chain(runner, ctx: int, steps: int, reps: int) -> tuple[list[dict], 
                 kv.truncate(ctx)
         return _ms(run) / steps
 
-    cases = {"chain8": chain8, "tree32": tree32, "chain32": chain32}
+    cases = {"chain8": chain(8), "tree32": tree32, "chain32": chain(32)}
     for f in cases.values():   # warm-up
         f()
     samples: dict[str, list[float]] = {k: [] for k in cases}

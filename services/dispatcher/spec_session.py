@@ -152,6 +152,14 @@ class Stats:
     nav_reasons: dict = field(default_factory=dict)
     accepted_per_round: list = field(default_factory=list)
 
+    def round(self, sent: int, accepted: int, early: bool) -> None:
+        """One resolved verification round: `sent` drafts (or tree nodes), `accepted` of them."""
+        self.rounds += 1
+        self.draft_tokens += sent
+        self.accepted += accepted
+        self.early_rejects += int(early)
+        self.accepted_per_round.append(accepted)
+
 
 class Hooks:
     """Observers for metrics; the defaults do nothing."""
@@ -221,12 +229,7 @@ class SpecRounds:
         e = r.start + accepted
         out: list = [Emit([d.token for d in self.drafts[r.start - self.C:e - self.C]] + [token])]
         sent_drafts = r.sent - r.start
-        st = self.stats
-        st.rounds += 1
-        st.draft_tokens += sent_drafts
-        st.accepted += accepted
-        st.early_rejects += int(early)
-        st.accepted_per_round.append(accepted)
+        self.stats.round(sent_drafts, accepted, early)
         self.hooks.round(sent_drafts, accepted, early)
         self.trigger.on_round(sent_drafts, accepted)
         if r.closed and r.end > r.start:
@@ -238,7 +241,7 @@ class SpecRounds:
             self.drafts = self.drafts[self.C - old_c:]
             if self.rounds:
                 child = self.rounds[0]     # kept; any rounds behind it still wait on it
-                st.proactive_kept += child.end - child.base
+                self.stats.proactive_kept += child.end - child.base
                 self.hooks.proactive("kept", child.end - child.base)
                 if child.sent == child.base:
                     # none of it reached the verifier and its guess is now committed: from
@@ -251,13 +254,13 @@ class SpecRounds:
                 out.append(Limit(want))
         else:
             for child in self.rounds:
-                st.proactive_discarded += child.end - child.base
+                self.stats.proactive_discarded += child.end - child.base
                 self.hooks.proactive("discarded", child.end - child.base)
             self.rounds = []
             self.drafts = []
             self.trigger.reset()
             self.epoch += 1
-            st.rollbacks += 1
+            self.stats.rollbacks += 1
             self.until = self._want_until()
             if self.drafting:
                 out.append(Rollback(self.epoch, e, [token], self.until))

@@ -273,12 +273,7 @@ class TreeRounds:
 
     def _count(self, sent: int, accepted: int, early: bool,
                nodes_per_depth: list[int] | None = None) -> None:
-        st = self.stats
-        st.rounds += 1
-        st.draft_tokens += sent
-        st.accepted += accepted
-        st.early_rejects += int(early)
-        st.accepted_per_round.append(accepted)
+        self.stats.round(sent, accepted, early)
         self.hooks.round(sent, accepted, early, nodes_per_depth)
 
     def drafter_lost(self) -> list:
