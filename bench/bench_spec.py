@@ -462,6 +462,47 @@ COLUMNS = [("policy", "policy"), ("tpt_ms", "TPT ms (mean/prompt)"), ("ci95", "9
            ("edge_cpu_s_per_token", "edge CPU s/tok"), ("identical_runs", "identical to ref")]
 
 
+def summarize(runs: dict[tuple, list[dict]], uplinks: list, policies: list[str],
+              test_names: list[str], matches: dict[str, list[bool]], n: int, rtt: float,
+              verify_s: list[float], tuned: dict[str, dict]):
+    """Rows over the test prompts every policy has finished (all of them at the end of a run;
+    fewer in a checkpoint), per uplink: (rows, bound violations, [(uplink, rows, bound TPT)])."""
+    rows, violations, parts = [], [], []
+    for u in uplinks:
+        names = [k for k in test_names
+                 if all(any(x["prompt"] == k for x in runs[u, p]) for p in policies)]
+        if not names:
+            continue
+        part_runs = {p: [x for x in runs[u, p] if x["prompt"] in names] for p in policies}
+        bound_ms = {}
+        # The verify curve was timed in this process; the verifier service itself may have run
+        # faster (less contention then). Cloud-only runs one forward per token after one round
+        # trip, so its fastest per-token time less rtt / n caps verify_s[0]: the curve is scaled
+        # down to it, never up (a bound may only err low).
+        cloud = [x["tpt_s"] - rtt / n for x in part_runs.get("cloud-only", [])]
+        scale = min(1.0, max(0.0, min(cloud)) / verify_s[0]) if cloud and verify_s[0] > 0 else 1.0
+        curve = tuple(v * scale for v in verify_s)
+        for k in names:
+            spec_runs = [x for p in policies for x in part_runs[p]
+                         if x["prompt"] == k and x.get("gamma_s") is not None]
+            costs = Costs(gamma_s=min(x["gamma_s"] for x in spec_runs) if spec_runs else 0.0,
+                          alpha_s=min(x["alpha_s"] for x in spec_runs) if spec_runs else 0.0,
+                          beta_s=min(x["beta_s"] for x in spec_runs) if spec_runs else 0.0,
+                          rtt_s=rtt, verify_s=curve)
+            bound_ms[k] = bound(matches[k][:n], costs) / n * 1000
+        part = policy_rows(part_runs, names, bound_ms, tuned,
+                           **({} if u is None else {"uplink_mbit": u}))
+        for r in part:
+            r["bound_tpt_ms"] = statistics.fmean(bound_ms.values())
+            r["bound_verify_scale"] = scale
+            if r["bound_violations"]:
+                violations.append(f"{r['policy']}: {r['bound_violations']} request(s) under the "
+                                  f"bound (min TPT/bound {r['tpt_over_bound_min']:.3f})")
+        rows += part
+        parts.append((u, part, statistics.fmean(bound_ms.values())))
+    return rows, violations, parts
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="tandem bench spec", description=__doc__.split("\n")[0])
     ap.add_argument("--workload", default="humaneval", choices=workloads.WORKLOADS)
@@ -557,6 +598,20 @@ def main(argv=None) -> int:
           f"(b={len(verify_s) - 1}); link RTT {rtt * 1000:.1f} ms", flush=True)
 
     runs: dict[tuple, list[dict]] = {(u, p): [] for u in uplinks for p in policies}
+
+    def save(results: list[dict], violations: list[str], load: dict | None,
+             partial: dict | None = None) -> None:
+        write_json(args.json, "spec", args.scenario, results,
+                   link=note, model=model, drafter=args.drafter, max_tokens=n,
+                   repeats=args.repeats, workload=args.workload, seed=args.seed,
+                   tuning_prompts=[p.name for p in tune_set], test_prompts=test_names,
+                   tuned=not args.no_tune, tune_budget=budget, tune_window=window,
+                   proactive_depth=args.proactive_depth,
+                   uplinks_mbit=[u for u in uplinks if u is not None], energy=energy_note(),
+                   bound={"rtt_s": rtt, "verify_s": verify_s, "prefill": "not counted",
+                          "violations": violations},
+                   load=load, partial=partial)
+    last_save = time.monotonic()
     info: dict = {}
     tuned: dict[str, dict] = {}
     load_rows: list[dict] = []
@@ -611,6 +666,15 @@ def main(argv=None) -> int:
                             bar.write(f"  {p:14s} {k:16s} rep {rep}: TPT "
                                       f"{x['tpt_s'] * 1000:7.1f} ms  identical={x['identical']}")
                             bar.advance()
+                        # A run of the whole test set takes hours: every ten minutes the JSON
+                        # holds the prompts finished so far, so a stopped run still reports them.
+                        if args.json and time.monotonic() - last_save > 600:
+                            part, viol, _ = summarize(runs, uplinks, policies, test_names,
+                                                      matches, n, rtt, verify_s, tuned)
+                            done = len({x["prompt"] for x in part[0]["runs"]}) if part else 0
+                            save(part, viol, None, {"test_prompts_finished": done,
+                                                    "of": len(test_names)})
+                            last_save = time.monotonic()
         if loads:
             lp = [test_ids[k] for k in test_names[:max(1, args.load_prompts)]]
             lpol = [p for p in ("pipesd", "cloud-only") if p in policies]
@@ -618,35 +682,9 @@ def main(argv=None) -> int:
             load_rows = load_sweep(info["endpoint"], loads, lpol, lp, n, knobs,
                                    info["pids"]["verifier"], lambda s: print(s, flush=True))
 
-    rows = []
-    violations = []
-    for u in uplinks:
-        part_runs = {p: runs[u, p] for p in policies}
-        bound_ms = {}
-        # The verify curve was timed in this process; the verifier service itself may have run
-        # faster (less contention then). Cloud-only runs one forward per token after one round
-        # trip, so its fastest per-token time less rtt / n caps verify_s[0]: the curve is scaled
-        # down to it, never up (a bound may only err low).
-        cloud = [x["tpt_s"] - rtt / n for x in part_runs.get("cloud-only", [])]
-        scale = min(1.0, max(0.0, min(cloud)) / verify_s[0]) if cloud and verify_s[0] > 0 else 1.0
-        curve = tuple(v * scale for v in verify_s)
-        for k in test_names:
-            spec_runs = [x for p in policies for x in part_runs[p]
-                         if x["prompt"] == k and x.get("gamma_s") is not None]
-            costs = Costs(gamma_s=min(x["gamma_s"] for x in spec_runs) if spec_runs else 0.0,
-                          alpha_s=min(x["alpha_s"] for x in spec_runs) if spec_runs else 0.0,
-                          beta_s=min(x["beta_s"] for x in spec_runs) if spec_runs else 0.0,
-                          rtt_s=rtt, verify_s=curve)
-            bound_ms[k] = bound(matches[k][:n], costs) / n * 1000
-        part = policy_rows(part_runs, test_names, bound_ms, tuned,
-                           **({} if u is None else {"uplink_mbit": u}))
-        for r in part:
-            r["bound_tpt_ms"] = statistics.fmean(bound_ms.values())
-            r["bound_verify_scale"] = scale
-            if r["bound_violations"]:
-                violations.append(f"{r['policy']}: {r['bound_violations']} request(s) under the "
-                                  f"bound (min TPT/bound {r['tpt_over_bound_min']:.3f})")
-        rows += part
+    rows, violations, parts = summarize(runs, uplinks, policies, test_names, matches, n, rtt,
+                                        verify_s, tuned)
+    for u, part, bound_tpt_ms in parts:
         print()
         print(f"# TPT = wall time / tokens, mean over {len(test_names)} test prompts; link {note}"
               + ("" if u is None else f"; uplink {u:g} Mbit/s"))
@@ -662,7 +700,7 @@ def main(argv=None) -> int:
         if "pipesd" in by:
             print(f"# pipesd TPT / clairvoyant bound: {by['pipesd']['tpt_over_bound']:.3f}, "
                   f"95% CI {_ci(by['pipesd']['tpt_over_bound_ci95'])} "
-                  f"(bound TPT {statistics.fmean(bound_ms.values()):.1f} ms)")
+                  f"(bound TPT {bound_tpt_ms:.1f} ms)")
     for v in violations:
         print(f"# BUG: a policy measured faster than the clairvoyant bound — {v}")
     budget_ms = args.tpt_budget_ms
@@ -674,16 +712,9 @@ def main(argv=None) -> int:
     if load_rows:
         print(f"# edge sessions one verifier core serves within {budget_ms:.1f} ms/token: {served}")
     print(f"# wall time {time.monotonic() - t_start:.0f} s")
-    write_json(args.json, "spec", args.scenario, rows + load_rows,
-               link=note, model=model, drafter=args.drafter, max_tokens=n, repeats=args.repeats,
-               workload=args.workload, seed=args.seed, tuning_prompts=[p.name for p in tune_set],
-               test_prompts=test_names, tuned=not args.no_tune, tune_budget=budget,
-               tune_window=window, proactive_depth=args.proactive_depth,
-               uplinks_mbit=[u for u in uplinks if u is not None], energy=energy_note(),
-               bound={"rtt_s": rtt, "verify_s": verify_s, "prefill": "not counted",
-                      "violations": violations},
-               load={"sessions": loads, "tpt_budget_ms": budget_ms, "users_within_budget": served}
-               if loads else None)
+    save(rows + load_rows, violations,
+         {"sessions": loads, "tpt_budget_ms": budget_ms, "users_within_budget": served}
+         if loads else None)
     same = all(x["identical"] for rs in runs.values() for x in rs)
     return 0 if same and not violations else 1
 

@@ -64,6 +64,9 @@ def spec_workload_section(doc: dict, name: str) -> str:
     lines = [f"### Speculative mode — `{name}` (workload `{doc.get('workload')}`, scenario "
              f"`{doc.get('scenario')}`, model `{doc.get('model', 'smollm2-135m')}`, drafter "
              f"`{doc.get('drafter', 'bundled')}`)", "",
+             (f"**Partial run**: it stopped after {doc['partial']['test_prompts_finished']} of "
+              f"{doc['partial']['of']} test prompts; the rows cover those. "
+              if doc.get("partial") else "") +
              f"{len(doc.get('test_prompts', []))} test prompts x {doc.get('repeats')} repeat(s), "
              f"{doc.get('max_tokens')} tokens each; {len(doc.get('tuning_prompts', []))} "
              f"held-apart tuning prompts; {tuning}. TPT is the mean over test prompts of each "

@@ -113,3 +113,27 @@ def test_policy_rows_flag_a_run_under_the_bound():
     bound_ms[names[0]] = 1000.0   # no request could be that slow: every policy "beats" it
     rows = policy_rows(runs, names, bound_ms, {})
     assert all(r["bound_violations"] == 1 and r["tpt_over_bound_min"] < 1 for r in rows)
+
+
+def test_a_checkpoint_summarizes_only_prompts_every_policy_finished():
+    """A long run saves its JSON as it goes: a prompt that some policy has not yet measured
+    is left out of every row, so the rows stay paired; the page marks the run partial."""
+    from bench.bench_spec import summarize
+    runs, names, _ = synthetic_runs()
+    runs["pipesd"] = [x for x in runs["pipesd"] if x["prompt"] != names[-1]]
+    for rs in runs.values():
+        for x in rs:
+            x.update(gamma_s=0.01, alpha_s=0.005, beta_s=0.005)
+    policies = list(runs)
+    matches = {k: [True, False] * 8 for k in names}
+    rows, violations, parts = summarize({(None, p): runs[p] for p in policies}, [None], policies,
+                                        names, matches, 16, 0.05, [0.02, 0.021, 0.022], {})
+    assert len(parts) == 1 and len(rows) == len(policies)
+    for r in rows:
+        assert list(r["tpt_ms_by_prompt"]) == names[:-1]
+    doc = {"results": rows, "workload": "humaneval", "scenario": "s1", "test_prompts": names,
+           "tuning_prompts": ["T"], "tuned": False, "partial": {"test_prompts_finished": 5,
+                                                                "of": 6},
+           "bound": {"rtt_s": 0.05, "verify_s": [0.02]}}
+    assert "**Partial run**: it stopped after 5 of 6 test prompts" in \
+        results_page.spec_section(doc, "spec_s1")
