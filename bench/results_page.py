@@ -76,13 +76,15 @@ def spec_workload_section(doc: dict, name: str) -> str:
     sweep = any(r.get("uplink_mbit") for r in rows)
     cols = (["uplink Mbit/s"] if sweep else []) + [
         "policy", "knobs (how chosen: see above)", "TPT ms", "95 % CI", "TPT / bound", "95 % CI",
-        "vs best baseline", "95 % CI", "vs cloud-only", "acceptance", "draft len",
+        "vs best baseline", "95 % CI", "vs cloud-only", "acceptance", "accepted / round",
+        "draft len",
         "cloud fwd / token", "cloud s / token", "edge CPU s / token", "identical to reference"]
     lines.append(_md_table([([r.get("uplink_mbit")] if sweep else []) + [
         r["policy"], _knobs(r.get("tuned_params")), r.get("tpt_ms"), _ci(r.get("ci95")),
         r.get("tpt_over_bound"), _ci(r.get("tpt_over_bound_ci95")), r.get("vs_best_baseline"),
         _ci(r.get("vs_best_baseline_ci95")), r.get("speedup_vs_cloud_only"),
-        r.get("acceptance_rate"), r.get("mean_draft_length"), r.get("cloud_forwards_per_token"),
+        r.get("acceptance_rate"), r.get("accepted_tokens_per_round"), r.get("mean_draft_length"),
+        r.get("cloud_forwards_per_token"),
         r.get("cloud_s_per_token"), r.get("edge_cpu_s_per_token"), r.get("identical_runs")]
         for r in rows], cols))
     goals = []
@@ -106,6 +108,10 @@ def spec_workload_section(doc: dict, name: str) -> str:
     if goals:
         lines += ["", "Goals (issue #13):", ""]
         lines.append(_md_table(goals, ["goal", "target", "this run", "status"]))
+    tree_goals = token_tree_goals(by)
+    if tree_goals:
+        lines += ["", "Goals (issue #14), from the same run:", ""]
+        lines.append(_md_table(tree_goals, ["goal", "target", "this run", "status"]))
     energy = [r for r in rows if r.get("edge_cpu_s_per_token") is not None and not sweep]
     if energy:
         base = next((r for r in energy if r["policy"] == energy[0].get("best_baseline")), None)
@@ -149,6 +155,45 @@ def spec_workload_section(doc: dict, name: str) -> str:
                                  by[p]["tpt_ms"] / base if p in by else None]
                                 for p in PIPESD_TPT], ["policy", "PipeSD paper", "Tandem (this run)"]))
     return "\n".join(lines)
+
+
+CHAIN_POLICIES = ("vanilla", "hsl", "edgellm", "pipesd", "pipesd-stream", "pipesd-learned")
+
+
+def token_tree_goals(by: dict[str, dict]) -> list[list]:
+    """Issue #14's goals, where the run has the policies they compare: `tree` against pipesd
+    and the best chain policy (paired over the test prompts), `pipesd-learned` against the
+    clairvoyant chain bound."""
+    goals = []
+    tree, pipesd = by.get("tree"), by.get("pipesd")
+    if tree and pipesd and pipesd.get("accepted_tokens_per_round"):
+        x = tree["accepted_tokens_per_round"] / pipesd["accepted_tokens_per_round"]
+        goals.append(["accepted tokens per round, tree over pipesd", ">= 1.5x",
+                      f"{x:.2f}x ({tree['accepted_tokens_per_round']:.2f} vs "
+                      f"{pipesd['accepted_tokens_per_round']:.2f})",
+                      "met" if x >= 1.5 else "NOT met"])
+    if tree and pipesd:
+        x = pipesd["tpt_ms"] / tree["tpt_ms"]
+        ci = ratio_ci(list(pipesd["tpt_ms_by_prompt"].values()),
+                      list(tree["tpt_ms_by_prompt"].values()))
+        goals.append(["TPT, tree over pipesd", ">= 1.25x", f"{x:.3f}x {_ci(ci)}",
+                      "met" if x >= 1.25 else "NOT met"])
+    chains = [p for p in CHAIN_POLICIES if p in by]
+    if tree and chains:
+        best = min(chains, key=lambda p: by[p]["tpt_ms"])
+        x = by[best]["tpt_ms"] / tree["tpt_ms"]
+        ci = ratio_ci(list(by[best]["tpt_ms_by_prompt"].values()),
+                      list(tree["tpt_ms_by_prompt"].values()))
+        goals.append([f"TPT, tree over the best chain policy ({best})",
+                      ">= 1.16x, CI lower end > 1", f"{x:.3f}x {_ci(ci)}",
+                      "met" if x >= 1.16 and ci[0] > 1 else "NOT met"])
+    learned = by.get("pipesd-learned")
+    if learned:
+        x = learned["tpt_over_bound"]
+        goals.append(["pipesd-learned TPT over the clairvoyant chain bound", "<= 1.10",
+                      f"{x:.3f} {_ci(learned.get('tpt_over_bound_ci95'))}",
+                      "met" if x <= 1.10 else "NOT met"])
+    return goals
 
 
 def spec_section(doc: dict, name: str) -> str:

@@ -137,3 +137,27 @@ def test_a_checkpoint_summarizes_only_prompts_every_policy_finished():
            "bound": {"rtt_s": 0.05, "verify_s": [0.02]}}
     assert "**Partial run**: it stopped after 5 of 6 test prompts" in \
         results_page.spec_section(doc, "spec_s1")
+
+
+def test_the_page_judges_token_trees_goals_from_the_same_run():
+    """Issue #14's goals: tree against pipesd and the best chain policy (paired), and
+    pipesd-learned against the bound, each with its target and a met / NOT met verdict."""
+    from bench.bench_spec import policy_rows
+    runs, names, bound_ms = synthetic_runs()
+    runs["tree"] = [dict(x, tpt_s=x["tpt_s"] / 1.3 * (1 + 0.002 * (i % 3 - 1)))
+                    for i, x in enumerate(runs["pipesd"])]
+    runs["pipesd-learned"] = [dict(x, tpt_s=x["tpt_s"] * (1 + 0.003 * (i % 2)))
+                              for i, x in enumerate(runs["pipesd"])]
+    for p, (acc, rounds) in {"pipesd": (2, 1), "tree": (5, 1)}.items():
+        for x in runs[p]:
+            x.update(accepted_tokens=acc, rounds=rounds)
+    by = {r["policy"]: r for r in policy_rows(runs, names, bound_ms, {})}
+    goals = {g[0]: g for g in results_page.token_tree_goals(by)}
+    assert goals["accepted tokens per round, tree over pipesd"][3] == "met"      # 2.5x
+    assert goals["TPT, tree over pipesd"][2].startswith("1.30")
+    assert goals["TPT, tree over pipesd"][3] == "met"
+    best = goals["TPT, tree over the best chain policy (pipesd)"]                # 1.3x, tight CI
+    assert best[3] == "met"
+    learned = goals["pipesd-learned TPT over the clairvoyant chain bound"]      # bound is half
+    assert learned[3] == "NOT met" and learned[2].startswith("1.6")
+    assert results_page.token_tree_goals({"pipesd": by["pipesd"]}) == []
