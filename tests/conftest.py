@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from bench.workloads import BUILTIN_PROMPTS
-from common import models
+from common import models, protocol
 
 NEAR_TIE = 1e-4   # DESIGN.md §5: a top-2 logit margin under this is a floating-point tie
 
@@ -147,6 +147,19 @@ def need_tool(what: str, install: str) -> None:
     if in_ci():
         pytest.fail(f"{msg}; CI must have it", pytrace=False)
     pytest.skip(msg)
+
+
+async def error_code(peer, msg) -> str:
+    """The error code a service answers `msg` with, through `peer` (a runtime Peer). A message
+    the service acks first (it starts a stream) is sent again until the answer is not an Ack;
+    that answer must be an error, or the test fails."""
+    from common.runtime import PeerError
+    with pytest.raises(PeerError) as e:
+        while True:
+            r, _ = await peer.request(msg, timeout=10)
+            if not isinstance(r, protocol.Ack):
+                break
+    return e.value.code
 
 
 def wait_until(cond, timeout: float, what: str, every: float = 0.05):

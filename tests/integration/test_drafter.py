@@ -17,7 +17,7 @@ from common.launcher import Cluster
 from common.protocol import Sampling
 from common.runtime import PeerError
 from services.drafter.engine import DraftError, DraftModel
-from tests.conftest import PROMPTS
+from tests.conftest import PROMPTS, error_code
 
 
 @pytest.fixture(scope="module")
@@ -224,16 +224,9 @@ def test_service_sampling_sends_q_frames(drafter_service, prompt):
 
 
 def test_service_errors(drafter_service, prompt):
-    from common.runtime import PeerError
-
     async def fn(peer):
-        async def code(msg):
-            with pytest.raises(PeerError) as e:
-                while True:
-                    r, _ = await peer.request(msg, timeout=10)
-                    if not isinstance(r, protocol.Ack):
-                        break
-            return e.value.code
+        def code(msg):
+            return error_code(peer, msg)
         assert await code(protocol.DraftRequest(sid="nope", until=5)) == protocol.UNKNOWN_SESSION
         assert await code(protocol.DraftOpen(sid="bad", token_ids=[10**7])) == protocol.BAD_FIELD
         assert await code(protocol.DraftOpen(sid="bad", token_ids=[1], top_k=65)) == protocol.BAD_FIELD

@@ -11,10 +11,9 @@ import pytest
 
 from common import models, protocol
 from common.protocol import Sampling
-from common.runtime import PeerError
 from common.tree_shape import ROOT, Shape
 from services.drafter.engine import DraftError, DraftModel
-from tests.conftest import PROMPTS
+from tests.conftest import PROMPTS, error_code
 
 
 @pytest.fixture(scope="module")
@@ -250,26 +249,21 @@ def test_service_streams_a_tree_round_then_its_chain(drafter, prompt):
 
 def test_service_errors_for_bad_trees(drafter, prompt):
     async def fn(peer):
-        async def code(msg):
-            with pytest.raises(PeerError) as e:
-                while True:
-                    r, _ = await peer.request(msg, timeout=10)
-                    if not isinstance(r, protocol.Ack):
-                        break
-            return e.value.code, e.value.field if hasattr(e.value, "field") else ""
-        assert (await code(protocol.DraftOpen(sid="b0", token_ids=prompt, tree_nodes=200)))[0] \
+        def code(msg):
+            return error_code(peer, msg)
+        assert (await code(protocol.DraftOpen(sid="b0", token_ids=prompt, tree_nodes=200))) \
             == protocol.TOO_LARGE
         ch = peer.channel()
         await ch.send(protocol.DraftOpen(sid="b1", seq=1, token_ids=prompt))
         await ch.send(protocol.DraftOpen(sid="b2", seq=1, token_ids=prompt, tree_nodes=4))
         assert isinstance((await ch.recv(30))[0], protocol.Ack)
         assert isinstance((await ch.recv(30))[0], protocol.Ack)
-        assert (await code(protocol.DraftRequest(sid="b1", seq=2, tree=req())))[0] \
+        assert (await code(protocol.DraftRequest(sid="b1", seq=2, tree=req()))) \
             == protocol.BAD_FIELD                  # a chain session
-        assert (await code(protocol.DraftRequest(sid="b2", seq=2, tree=req())))[0] \
+        assert (await code(protocol.DraftRequest(sid="b2", seq=2, tree=req()))) \
             == protocol.TOO_LARGE                  # 8 nodes > the session's 4
         assert (await code(protocol.DraftRollback(sid="b2", seq=3, keep=len(prompt) + 1,
-                                                  path=[0])))[0] == protocol.BAD_FIELD
+                                                  path=[0]))) == protocol.BAD_FIELD
         # the session survives its bad requests
         ch2 = peer.channel()
         await ch2.send(protocol.DraftRequest(sid="b2", seq=3, tree=req(max_nodes=4)))
