@@ -2,7 +2,7 @@
 
     python -m bench.bench_runner [--reps N] [--steps N] [--context N] [--threads N] [--gemm]
                                  [--target DIR|GGUF|NAME] [--quick] [--no-limits] [--json PATH]
-                                 [--row-weights auto|always|never]
+                                 [--products auto|panel|onednn|torch]
 
 On cores shared with other busy processes, OpenMP's default spin-waiting makes every parallel
 region wait on descheduled threads (5-10x slower steps measured at load 7 on 2 cores); set
@@ -18,15 +18,16 @@ the table gives the median over reps with the spread (min-max), and ratios are t
                 each, vs the runner's 1-session decode: tokens/s ratio (goal >= 6x, #20)
   verify k=8    one forward of 8 draft tokens with logits for all 8, then rollback, vs decoding
                 1 token: time ratio (goal <= 1.2x, #20)
-  rows packed   decode with every product through the prepacked weights (row_weights=never),
-                shown when the runner chose plain weights for one-row products at load
+  decode oneDNN the same decode with oneDNN's prepacked products (gemm="onednn", the runner's
+                products before the panel kernel), when the runner runs the panel kernel
   prefill 512   one 512-token prompt into an empty cache (logits for the last token)
   --gemm        the LM-head product (49152x576) by method and row count: why the runner uses
                 prepacked oneDNN weights (see common/runner.py)
 
 The limits, measured in the same interleaved reps (bench/runner_limits.py, issue #20):
-  gemv          the machine's GEMV bandwidth (torch.mv over an fp32 matrix the size of the
-                model's weights); floor = the bytes a decode step streams / that bandwidth
+  read          the machine's read bandwidth (the faster of torch.mv and a sum over an fp32
+                buffer the size of the model's weights); floor = the bytes a decode step
+                streams / that bandwidth
   llama.cpp     the same weights as an ALL_F32 GGUF (llama.cpp's quantize of the source GGUF,
                 made once next to the target), `steps` tokens after a `context`-token prompt,
                 and a 512-token prompt evaluation, on the same threads
@@ -50,6 +51,7 @@ import torch
 from bench import runner_limits
 from bench.report import summary, table, write_json
 from common.models import models_dir, resolve_target
+from common import gemm as gemm_kernel
 from common.runner import PACK_ROWS, LayerRangeRunner, Segment
 
 
@@ -200,6 +202,7 @@ def gemm_table(reps: int) -> list[dict]:
     W = torch.randn(V, H)
     packed = torch.ops.mkldnn._reorder_linear_weight(W, PACK_ROWS)
     Wt = W.t().contiguous().numpy()
+    panel = gemm_kernel.pack(W) if gemm_kernel.unavailable() is None else None
     methods = {
         "F.linear (MKL)": lambda x: F.linear(x, W),
         "mm(W, x.T) (MKL, swapped)": lambda x: torch.mm(W, x.t()),
@@ -208,6 +211,8 @@ def gemm_table(reps: int) -> list[dict]:
             lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
         "numpy x @ W.T (OpenBLAS)": lambda x: x.numpy() @ Wt,
     }
+    if panel is not None:
+        methods = {"panel kernel (common/gemm.py)": lambda x: gemm_kernel.linear(x, panel), **methods}
     rows = []
     for name, f in methods.items():
         row = {"method": name}
@@ -229,8 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", default=None, help="HF target dir, a GGUF (dequantised once) or a "
                     "named model such as gemma3-270m (default: the bundled SmolLM2)")
     ap.add_argument("--gemm", action="store_true", help="also time the LM-head GEMM methods")
-    ap.add_argument("--row-weights", choices=("auto", "always", "never"), default="auto",
-                    help="the runner's one-row path (common/runner.py): auto times it at load")
+    ap.add_argument("--products", choices=("auto", "panel", "onednn", "torch"), default="auto",
+                    help="the runner's matrix products (LayerRangeRunner's gemm)")
     ap.add_argument("--no-limits", action="store_true", help="leave out the GEMV bandwidth "
                     "floor and the llama.cpp F32 anchor")
     ap.add_argument("--quick", action="store_true", help="3 reps, 8 steps")
@@ -245,12 +250,12 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM
 
     path = resolve_target(args.target)
-    runner = LayerRangeRunner(path, row_weights=args.row_weights)
+    runner = LayerRangeRunner(path, gemm=args.products)
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     cases = decode_cases(runner, hf, args.context, args.steps)
-    if runner._row_w:   # the one-row path was chosen at load: time the packed path beside it
-        packed = LayerRangeRunner(path, row_weights="never")
-        cases["runner_decode_packed"] = decode_cases(packed, hf, args.context,
+    if runner.gemm == "panel":   # the products it replaced, in the same reps
+        onednn = LayerRangeRunner(path, gemm="onednn")
+        cases["runner_decode_onednn"] = decode_cases(onednn, hf, args.context,
                                                      args.steps)["runner_decode"]
     step_bytes = runner_limits.weight_bytes(runner)
     limits = {"weight_bytes": step_bytes}
@@ -263,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
             limits["llama_gguf"] = str(f32)
             cases.update(runner_limits.llama_cases(f32, threads, args.context, args.steps,
                                                    PREFILL_TOKENS, runner.vocab_size))
-        cases["gemv"] = runner_limits.gemv_case(step_bytes)
+        cases["read_bw"] = runner_limits.read_bandwidth_case(step_bytes)
     load0 = os.getloadavg()[0]
     for f in cases.values():  # warm-up
         f()
@@ -279,13 +284,13 @@ def main(argv: list[str] | None = None) -> int:
             return None
         return [f(*xs) for xs in zip(*(samples[k] for k in keys))]
 
-    if "gemv" in samples:
-        samples["floor"] = [step_bytes / bw * 1e3 for bw in samples["gemv"]]  # ms per token
+    if "read_bw" in samples:
+        samples["floor"] = [step_bytes / bw * 1e3 for bw in samples["read_bw"]]  # ms per token
     ratios = {
         "decode runner/transformers": (per_rep(lambda h, r: r / h, "hf_decode", "runner_decode"),
                                        "<= 1.05"),
-        "decode one-row path/packed": (per_rep(lambda r, p: r / p, "runner_decode",
-                                               "runner_decode_packed"), ""),
+        "decode panel kernel/oneDNN": (per_rep(lambda r, p: r / p, "runner_decode",
+                                               "runner_decode_onednn"), ""),
         "decode runner/floor": (per_rep(lambda r, f: r / f, "runner_decode", "floor"), "<= 1.2"),
         "decode runner/llama.cpp": (per_rep(lambda r, c: r / c, "runner_decode", "llama_decode"),
                                     "<= 1.1"),
@@ -300,17 +305,17 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name, key, unit in (("transformers decode", "hf_decode", "ms/token"),
                             ("runner decode", "runner_decode", "ms/token"),
-                            ("runner decode, rows packed", "runner_decode_packed", "ms/token"),
+                            ("runner decode, oneDNN products", "runner_decode_onednn", "ms/token"),
                             ("llama.cpp F32 decode", "llama_decode", "ms/token"),
                             ("bandwidth floor", "floor", "ms/token"),
-                            ("GEMV bandwidth", "gemv", "GB/s"),
+                            ("read bandwidth (best of GEMV, sum)", "read_bw", "GB/s"),
                             ("runner batch x8 decode", "batch8", "ms/step (8 tokens)"),
                             ("runner verify k=8", "verify8", "ms/call (8 tokens)"),
                             (f"runner prefill {PREFILL_TOKENS}", "runner_prefill", "ms"),
                             (f"llama.cpp F32 prompt {PREFILL_TOKENS}", "llama_prompt", "ms")):
         if key not in samples:
             continue
-        xs = [x / 1e9 for x in samples[key]] if key == "gemv" else samples[key]
+        xs = [x / 1e9 for x in samples[key]] if key == "read_bw" else samples[key]
         s = summary(xs)
         rows.append({"case": name, "median": s["median"], "min": s["min"], "max": s["max"],
                      "unit": unit, "goal": ""})
@@ -322,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
                      "unit": "ratio", "goal": goal})
     print(f"LayerRangeRunner vs transformers and its limits: {threads} threads, context "
           f"{args.context}, {args.steps} steps/rep, {args.reps} reps, weights "
-          f"{step_bytes / 1e6:.0f} MB/step, one-row path {'on' if runner._row_w else 'off'}, "
+          f"{step_bytes / 1e6:.0f} MB/step, products {runner.gemm}, "
           f"load average {load0:.1f} -> {load1:.1f}, "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}")
     print(table(rows, [("case", "case"), ("median", "median"), ("min", "min"), ("max", "max"),
@@ -340,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     rows += tree_rows
     write_json(args.json, "runner", f"context{args.context}", rows, gemm=gemm,
                samples=samples, threads=threads, limits=limits,
-               row_path=bool(runner._row_w), row_timing=getattr(runner, "row_timing", None))
+               products=runner.gemm)
     return 0
 
 

@@ -69,6 +69,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from common import gemm as gemm_kernel
 from common.architectures import (
     ACTIVATIONS,
     check_config,
@@ -223,8 +224,7 @@ class LayerRangeRunner:
 
     def __init__(self, model_dir: str | Path, layers: tuple[int, int] | None = None,
                  dtype: torch.dtype = torch.float32, threads: int | None = None,
-                 prepack: bool = True, device: str | torch.device = "cpu",
-                 row_weights: str = "auto"):
+                 device: str | torch.device = "cpu", gemm: str = "auto"):
         model_dir = Path(model_dir)
         self.device = resolve_device(device)
         raw = json.loads((model_dir / "config.json").read_text())
@@ -256,19 +256,7 @@ class LayerRangeRunner:
         self.embed_scale = (torch.tensor(cfg.hidden_size ** 0.5, dtype=dtype)
                             if fam.embed_scale else None)
         self.plans = layer_plan(cfg)
-        # oneDNN's blocked layout needs a CPU with the dtype's kernels; otherwise plain F.linear.
-        self.prepack = prepack and self.device.type == "cpu" and (
-            torch.backends.mkldnn.is_available()) and (
-            dtype == torch.float32
-            or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()))
-
-        if row_weights not in ("auto", "always", "never"):
-            raise ValueError(f"row_weights must be auto, always or never, got {row_weights!r}")
-        # packed weight (by id) -> its plain copy for one-row products ('One row', module doc)
-        self._row_w: dict[int, torch.Tensor] = {}
-        # (packed, plain) of the layer products while loading, when a row path may be chosen
-        self._plain: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._keep_plain = self.prepack and row_weights != "never"
+        self.gemm = self._choose_gemm(gemm)
         # RMSNorm as one fused op where it gives transformers' bits (checked at load)
         self._fused_norm = False
 
@@ -342,43 +330,35 @@ class LayerRangeRunner:
         if self.hi == L:
             self.norm_w = norm("model.norm.weight")
             tied = cfg.tie_word_embeddings or "lm_head.weight" not in index
-            # the LM head stays packed only: oneDNN streams it at full bandwidth for one row on
-            # every CPU measured, and a plain copy would cost as much memory as the embeddings
-            self._keep_plain, keep = False, self._keep_plain
             self.lm_head = self._pack(get("model.embed_tokens.weight" if tied else "lm_head.weight"))
-            self._keep_plain = keep
         else:
             self.norm_w = self.lm_head = None
         handles.clear()
-        if self.prepack and row_weights != "never":
-            if row_weights == "always" or self._plain_rows_faster():
-                self._row_w = {id(pk): w for pk, w in self._plain}
-        self._plain = []
         self._fused_norm = self._fused_norm_exact()
 
-    def _plain_rows_faster(self) -> bool:
-        """Time one row through every layer product, packed vs plain (interleaved, best of 7):
-        whether the plain weights (MKL's gemv) are clearly faster on this CPU."""
-        import time
-
-        pairs = self._plain
-        if not pairs:
-            return False
-        xs = {w.shape[1]: torch.randn(1, w.shape[1], dtype=self.dtype) for _, w in pairs}
-        best = {"packed": float("inf"), "plain": float("inf")}
-        with torch.inference_mode():
-            for _ in range(7):
-                for kind in best:
-                    t = time.perf_counter()
-                    for pk, w in pairs:
-                        x = xs[w.shape[1]]
-                        if kind == "packed":
-                            torch.ops.mkldnn._linear_pointwise(x, pk, None, "none", [], "")
-                        else:
-                            F.linear(x, w)
-                    best[kind] = min(best[kind], time.perf_counter() - t)
-        self.row_timing = best
-        return best["plain"] < 0.85 * best["packed"]
+    def _choose_gemm(self, gemm: str) -> str:
+        """The products' implementation ('Matrix products', module doc): "panel" (this
+        project's kernel, common/gemm.py), "onednn" (oneDNN's prepacked weights) or "torch"
+        (F.linear on the weights as loaded: CUDA, and CPUs or dtypes neither of the others
+        serves); "auto" takes the first of them that this device and dtype allow."""
+        if gemm not in ("auto", "panel", "onednn", "torch"):
+            raise ValueError(f"gemm must be auto, panel, onednn or torch, got {gemm!r}")
+        cpu = self.device.type == "cpu"
+        why_not = {
+            "panel": ("not on the CPU" if not cpu else "needs float32" if self.dtype != torch.float32
+                      else gemm_kernel.unavailable()),
+            "onednn": ("not on the CPU" if not cpu else "this torch has no oneDNN"
+                       if not torch.backends.mkldnn.is_available() else None
+                       if self.dtype == torch.float32 or (self.dtype == torch.bfloat16 and
+                                                          torch.ops.mkldnn._is_mkldnn_bf16_supported())
+                       else f"no oneDNN kernels for {self.dtype} on this CPU"),
+            "torch": None,
+        }
+        if gemm == "auto":
+            return next(k for k, why in why_not.items() if why is None)
+        if why_not[gemm] is not None:
+            raise ValueError(f"gemm={gemm!r} is unavailable here: {why_not[gemm]}")
+        return gemm
 
     def _fused_norm_exact(self) -> bool:
         """Whether torch's fused F.rms_norm gives this runner's rms_norm bit for bit (Llama-style
@@ -393,22 +373,19 @@ class LayerRangeRunner:
         return torch.equal(F.rms_norm(x, (x.shape[-1],), w, self.eps), ref)
 
     # -- products ---------------------------------------------------------------------------
-    def _pack(self, w: torch.Tensor) -> torch.Tensor:
-        if self.prepack:
-            pk = torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS)
-            if self._keep_plain:
-                self._plain.append((pk, w.contiguous()))
-            return pk
+    def _pack(self, w: torch.Tensor):
+        """A weight [out, in] in the layout `linear` takes for this runner's products."""
+        if self.gemm == "panel":
+            return gemm_kernel.pack(w)
+        if self.gemm == "onednn":
+            return torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS)
         return w.contiguous()
 
-    def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-        """x @ w.T (+ b) with a weight as stored by this runner (prepacked for oneDNN on CPU;
-        one row through the plain copy where this CPU's gemv is faster: 'One row', module doc)."""
-        if self.prepack:
-            if x.shape[0] == 1 and self._row_w:
-                plain = self._row_w.get(id(w))
-                if plain is not None:
-                    return F.linear(x, plain, b)
+    def linear(self, x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ w.T (+ b) with a weight as stored by this runner (`_pack`)."""
+        if self.gemm == "panel":
+            return gemm_kernel.linear(x, w, b)
+        if self.gemm == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
         return F.linear(x, w, b)
 

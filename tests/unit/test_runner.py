@@ -321,11 +321,11 @@ def test_device_is_a_config_field_of_every_runner_service():
 def test_plain_linear_runner_on_a_device_tracks_the_cpu_runner(runner, model_paths, prompt,
                                                                device):
     """Weights and KV on the device, plain F.linear: logits within float32 noise of the
-    prepacked CPU runner, ragged batches and the suffix's padded path included; outputs come
-    back on the CPU."""
+    CPU runner's own products, ragged batches and the suffix's padded path included; outputs
+    come back on the CPU."""
     from services.suffix.executor import padded_forward
-    gpu = LayerRangeRunner(model_paths.target, device=device, prepack=device != "cpu")  # CUDA: ignored
-    assert not gpu.prepack and gpu.lm_head.device.type == device
+    gpu = LayerRangeRunner(model_paths.target, device=device, gemm="torch")
+    assert gpu.gemm == "torch" and gpu.lm_head.device.type == device
     L = gpu.num_layers
     kv_c, kv_g = runner.new_kv(), gpu.new_kv()
     want = runner.forward([Segment(kv_c, torch.tensor(prompt), "all")], 0, L)[0]

@@ -1,0 +1,158 @@
+"""#20: the runner's matrix products (common/gemm.py's panel kernel, oneDNN's prepacked
+weights), its fused norm, and the limits `tandem bench runner` measures against
+(bench/runner_limits.py)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from bench import runner_limits
+from common import gemm
+from common.runner import LayerRangeRunner, Segment, rms_norm
+
+LOGIT_TOL = 3e-4   # as tests/unit/test_runner.py: the runner's sums vs transformers' MKL sums
+
+
+@pytest.fixture(scope="module")
+def runners(model_paths):
+    return {kind: LayerRangeRunner(model_paths.target, gemm=kind) for kind in ("panel", "onednn")}
+
+
+def test_the_kernel_builds_on_this_machine():
+    """CI's machines are x86-64 with AVX2 and a C compiler: the kernel must be there, so the
+    runner's default is the panel path (a silent fallback would hide a broken build)."""
+    assert gemm.unavailable() is None
+    assert LayerRangeRunner.__init__.__defaults__[-1] == "auto"
+
+
+@pytest.mark.parametrize("n, k", [(960, 576), (37, 19), (16, 1), (1, 300), (49, 1536)])
+def test_kernel_products_match_float64(n, k):
+    g = torch.Generator().manual_seed(n * 1000 + k)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g)
+    wp = gemm.pack(w)
+    assert wp.out_features == n and wp.in_features == k
+    for m in (1, 2, 3, 5, 6, 7, 8, 13, 64):
+        x = torch.randn(m, k, generator=g)
+        want = (x.double() @ w.double().T + b.double())
+        got = gemm.linear(x, wp, b)
+        assert got.shape == (m, n) and got.dtype == torch.float32
+        # a float32 sum of k products: error grows like sqrt(k) * eps * |terms|
+        tol = 1e-5 * (k ** 0.5) * (x.abs().max() * w.abs().max()).item() + 1e-6
+        assert (got.double() - want).abs().max().item() < tol, (m, n, k)
+        assert ((gemm.linear(x, wp) + b).double() - want).abs().max().item() < tol
+
+
+def test_a_row_gives_the_same_bits_in_any_batch():
+    """Each output is one FMA chain over k whatever the tile: row i of an M-row product equals
+    the same row alone, bit for bit, for every M (the batch-independence the runner relies on)."""
+    g = torch.Generator().manual_seed(3)
+    w = gemm.pack(torch.randn(100, 576, generator=g))
+    x = torch.randn(40, 576, generator=g)
+    alone = torch.cat([gemm.linear(x[i: i + 1], w) for i in range(40)])
+    for m in range(1, 41):
+        assert torch.equal(gemm.linear(x[:m], w), alone[:m]), m
+    assert torch.equal(gemm.linear(x[7:19], w), alone[7:19])
+
+
+def test_the_kernel_refuses_bad_inputs():
+    w = gemm.pack(torch.randn(8, 4))
+    with pytest.raises(ValueError, match="fp32"):
+        gemm.linear(torch.randn(2, 4, dtype=torch.float64), w)
+    with pytest.raises(ValueError, match=r"\[M, 4\]"):
+        gemm.linear(torch.randn(2, 5), w)
+    with pytest.raises(ValueError, match="2-D fp32 CPU"):
+        gemm.pack(torch.randn(8, 4).half())
+
+
+def test_the_kernel_shares_torchs_openmp_runtime():
+    """One OpenMP runtime in the process: the kernel's threads are torch's, not a second pool
+    spinning against it on the same cores."""
+    gemm.linear(torch.randn(3, 64), gemm.pack(torch.randn(64, 64)))
+    maps = Path("/proc/self/maps").read_text()
+    gomps = {line.split()[-1] for line in maps.splitlines() if re.search(r"libgomp[^/]*\.so", line)}
+    assert len(gomps) == 1, gomps
+
+
+def test_panel_path_matches_transformers_and_the_onednn_path(runners, hf_model, tokenizer):
+    ids = tokenizer.encode("The history of the printing press begins")
+    L = hf_model.config.num_hidden_layers
+    panel, onednn = runners["panel"], runners["onednn"]
+    assert panel.gemm == "panel" and onednn.gemm == "onednn"
+    cache = DynamicCache(config=hf_model.config)
+    with torch.inference_mode():
+        want_prefill = hf_model(torch.tensor([ids[:-3]]), cache=cache, use_cache=True).logits[0]
+    kvs = {k: r.new_kv() for k, r in runners.items()}
+    for k, r in runners.items():
+        got = r.forward([Segment(kvs[k], torch.tensor(ids[:-3]), "all")], 0, L)[0]
+        assert (got - want_prefill).abs().max().item() < LOGIT_TOL, k
+    for t in ids[-3:]:   # one token a step: the one-row products
+        with torch.inference_mode():
+            want = hf_model(torch.tensor([[t]]), cache=cache, use_cache=True).logits[0]
+        got = {k: r.forward([Segment(kvs[k], torch.tensor([t]))], 0, L)[0]
+               for k, r in runners.items()}
+        for k, g in got.items():
+            assert (g - want).abs().max().item() < LOGIT_TOL, k
+        assert (got["panel"] - got["onednn"]).abs().max().item() < LOGIT_TOL
+        assert got["panel"].argmax() == want.argmax()
+
+
+def test_a_session_in_a_ragged_batch_equals_it_alone(runners, tokenizer):
+    """A decode row batched with another session's decode and a third one's 5-token draft gives
+    the same logits as the session alone."""
+    r = runners["panel"]
+    L = r.num_layers
+    a, b = tokenizer.encode("Once upon a time, in a quiet village"), tokenizer.encode("def f(x):")
+    kva, kvb, kvc, kva1 = r.new_kv(), r.new_kv(), r.new_kv(), r.new_kv()
+    r.forward([Segment(kva, torch.tensor(a[:-1])), Segment(kvb, torch.tensor(b)),
+               Segment(kvc, torch.tensor(b[:3]))], 0, L)
+    r.forward([Segment(kva1, torch.tensor(a[:-1]))], 0, L)
+    batched = r.forward([Segment(kva, torch.tensor(a[-1:])), Segment(kvb, torch.tensor([11])),
+                         Segment(kvc, torch.tensor(b[3:8]), "all")], 0, L)[0]
+    alone = r.forward([Segment(kva1, torch.tensor(a[-1:]))], 0, L)[0]
+    assert (batched - alone).abs().max().item() < 1e-5
+
+
+def test_gemm_is_checked(model_paths):
+    with pytest.raises(ValueError, match="gemm must be"):
+        LayerRangeRunner(model_paths.target, layers=(0, 1), gemm="mkl")
+    with pytest.raises(ValueError, match="float32"):
+        LayerRangeRunner(model_paths.target, layers=(0, 1), gemm="panel", dtype=torch.float16)
+
+
+def test_weight_bytes_count_each_matrix_once(runners):
+    """The bytes a decode step streams are the same whichever layout the weights are in."""
+    bp, bo = (runner_limits.weight_bytes(runners[k]) for k in ("panel", "onednn"))
+    assert bo > 500e6 and abs(bp - bo) / bo < 0.01
+
+
+def test_fused_norm_is_used_only_where_it_is_bit_exact(runners):
+    r = runners["panel"]
+    assert r._fused_norm   # Llama-style fp32 norm
+    x = torch.randn(5, r.hidden_size) * 10
+    w = r.layers[0]["in_norm"]
+    assert torch.equal(r.norm(x, w), rms_norm(x, w, r.eps))
+
+
+def test_read_bandwidth_case_measures_a_bandwidth():
+    sample = runner_limits.read_bandwidth_case(8 << 20)
+    assert 1e8 < sample() < 1e13   # bytes/s: a sample, not a unit mix-up
+
+
+def test_llama_anchor_on_an_f32_conversion(model_paths, tmp_path):
+    """The anchor path end to end on the bundled drafter (small, fast): ALL_F32 conversion made
+    once, then decode and prompt timings from llama.cpp."""
+    out = tmp_path / "drafter.ALL_F32.gguf"
+    f32 = runner_limits.f32_gguf(model_paths.drafter, out)
+    assert f32 == out and out.stat().st_size > model_paths.drafter.stat().st_size * 4
+    mtime = out.stat().st_mtime_ns
+    assert runner_limits.f32_gguf(model_paths.drafter, out) == out
+    assert out.stat().st_mtime_ns == mtime   # prepared once
+    cases = runner_limits.llama_cases(out, threads=1, ctx=8, steps=2, prompt_tokens=16,
+                                      vocab_size=49152)
+    assert cases["llama_decode"]() > 0 and cases["llama_prompt"]() > 0
