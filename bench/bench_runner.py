@@ -51,7 +51,7 @@ import torch
 from bench import runner_limits
 from bench.report import summary, table, write_json
 from common.models import models_dir, resolve_target
-from common import gemm as gemm_kernel
+from common import cpu_kernels as kernels
 from common.runner import PACK_ROWS, LayerRangeRunner, Segment
 
 
@@ -202,7 +202,7 @@ def gemm_table(reps: int) -> list[dict]:
     W = torch.randn(V, H)
     packed = torch.ops.mkldnn._reorder_linear_weight(W, PACK_ROWS)
     Wt = W.t().contiguous().numpy()
-    panel = gemm_kernel.pack(W) if gemm_kernel.unavailable() is None else None
+    panel = kernels.pack(W) if kernels.unavailable() is None else None
     methods = {
         "F.linear (MKL)": lambda x: F.linear(x, W),
         "mm(W, x.T) (MKL, swapped)": lambda x: torch.mm(W, x.t()),
@@ -212,7 +212,7 @@ def gemm_table(reps: int) -> list[dict]:
         "numpy x @ W.T (OpenBLAS)": lambda x: x.numpy() @ Wt,
     }
     if panel is not None:
-        methods = {"panel kernel (common/gemm.py)": lambda x: gemm_kernel.linear(x, panel), **methods}
+        methods = {"panel kernel (common/cpu_kernels.py)": lambda x: kernels.linear(x, panel), **methods}
     rows = []
     for name, f in methods.items():
         row = {"method": name}

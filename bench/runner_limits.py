@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from common.gemm import PanelWeight
+from common.cpu_kernels import PanelWeight
 
 
 def weight_bytes(runner) -> int:

@@ -69,7 +69,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from common import gemm as gemm_kernel
+from common import cpu_kernels as kernels
 from common.architectures import (
     ACTIVATIONS,
     check_config,
@@ -248,6 +248,7 @@ class LayerRangeRunner:
         self.eps = cfg.rms_norm_eps
         self.gemma_norm = fam.gemma_norm
         self.act = ACTIVATIONS[getattr(cfg, fam.act_key)]
+        swiglu = getattr(cfg, fam.act_key) in ("silu", "swish")
         # None keeps SDPA's own 1/sqrt(head_dim) (what Llama-family models use)
         self.attn_scale = cfg.query_pre_attn_scalar ** -0.5 if fam.pre_attn_scalar else None
         self.attn_softcap = getattr(cfg, "attn_logit_softcapping", None)
@@ -257,6 +258,13 @@ class LayerRangeRunner:
                             if fam.embed_scale else None)
         self.plans = layer_plan(cfg)
         self.gemm = self._choose_gemm(gemm)
+        # With the panel kernel's library loaded (fp32 on the CPU), the layer around the
+        # products runs in it too: norms, SwiGLU, and RoPE + K/V writes + attention as one call
+        # a layer for the whole ragged batch (Gemma 2's soft-capped scores stay in torch).
+        self._kernels = self.gemm == "panel"
+        self._kernel_swiglu = self._kernels and swiglu
+        self._kernel_attention = (self._kernels and self.attn_softcap is None
+                                  and self.head_dim % 8 == 0)
         # RMSNorm as one fused op where it gives transformers' bits (checked at load)
         self._fused_norm = False
 
@@ -338,7 +346,7 @@ class LayerRangeRunner:
 
     def _choose_gemm(self, gemm: str) -> str:
         """The products' implementation ('Matrix products', module doc): "panel" (this
-        project's kernel, common/gemm.py), "onednn" (oneDNN's prepacked weights) or "torch"
+        project's kernel, common/cpu_kernels.py), "onednn" (oneDNN's prepacked weights) or "torch"
         (F.linear on the weights as loaded: CUDA, and CPUs or dtypes neither of the others
         serves); "auto" takes the first of them that this device and dtype allow."""
         if gemm not in ("auto", "panel", "onednn", "torch"):
@@ -346,7 +354,7 @@ class LayerRangeRunner:
         cpu = self.device.type == "cpu"
         why_not = {
             "panel": ("not on the CPU" if not cpu else "needs float32" if self.dtype != torch.float32
-                      else gemm_kernel.unavailable()),
+                      else kernels.unavailable()),
             "onednn": ("not on the CPU" if not cpu else "this torch has no oneDNN"
                        if not torch.backends.mkldnn.is_available() else None
                        if self.dtype == torch.float32 or (self.dtype == torch.bfloat16 and
@@ -376,7 +384,7 @@ class LayerRangeRunner:
     def _pack(self, w: torch.Tensor):
         """A weight [out, in] in the layout `linear` takes for this runner's products."""
         if self.gemm == "panel":
-            return gemm_kernel.pack(w)
+            return kernels.pack(w)
         if self.gemm == "onednn":
             return torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS)
         return w.contiguous()
@@ -384,13 +392,15 @@ class LayerRangeRunner:
     def linear(self, x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
         """x @ w.T (+ b) with a weight as stored by this runner (`_pack`)."""
         if self.gemm == "panel":
-            return gemm_kernel.linear(x, w, b)
+            return kernels.linear(x, w, b)
         if self.gemm == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
         return F.linear(x, w, b)
 
     def norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """This family's RMSNorm with a weight as stored by this runner."""
+        if self._kernels:
+            return kernels.rms_norm(x.reshape(-1, x.shape[-1]), w, self.eps).view(x.shape)
         if self._fused_norm:
             return F.rms_norm(x, (x.shape[-1],), w, self.eps)
         return rms_norm(x, w, self.eps, self.gemma_norm)
@@ -474,10 +484,15 @@ class LayerRangeRunner:
         a = self.linear(att, w["o"], w["o_b"])
         if "post_attn_norm" in w:
             a = self.norm(a, w["post_attn_norm"])
-        x = x + a
-        gu = self.linear(self.norm(x, w["pre_mlp_norm"]), w["gate_up"], w["gate_up_b"])
+        if self._kernels:
+            x, h = kernels.add_rms_norm(x, a, w["pre_mlp_norm"], self.eps)
+        else:
+            x = x + a
+            h = self.norm(x, w["pre_mlp_norm"])
+        gu = self.linear(h, w["gate_up"], w["gate_up_b"])
         inter = gu.shape[1] // 2
-        m = self.linear(self.act(gu[:, :inter]) * gu[:, inter:], w["down"], w["down_b"])
+        h = kernels.silu_mul(gu) if self._kernel_swiglu else self.act(gu[:, :inter]) * gu[:, inter:]
+        m = self.linear(h, w["down"], w["down_b"])
         if "post_mlp_norm" in w:
             m = self.norm(m, w["post_mlp_norm"])
         return x + m
@@ -552,6 +567,22 @@ class LayerRangeRunner:
             visible &= keys > pos[:, None] - window
         return first, visible
 
+    def _kernel_attend(self, layer: int, x: torch.Tensor, rope: dict, batch, segments) -> torch.Tensor:
+        """`attention_inputs` + the per-segment K/V writes and `attend` of `forward`, with RoPE,
+        the writes and attention in one kernel call for every segment (common/cpu_kernels.c)."""
+        w = self.layers[layer - self.lo]
+        nh, nkv, hd = self.n_heads, self.kv_heads, self.head_dim
+        qkv = self.linear(self.norm(x, w["in_norm"]), w["qkv"], w["qkv_b"])
+        if "q_norm" in w:
+            qk = qkv[:, : (nh + nkv) * hd].view(-1, nh + nkv, hd)
+            qk.copy_(torch.cat((self.norm(qk[:, :nh], w["q_norm"]),
+                                self.norm(qk[:, nh:], w["k_norm"])), dim=1))
+        cos, sin = rope[self.plans[layer].rope]
+        return kernels.attention(
+            qkv, nh, nkv, hd, cos.contiguous(), sin.contiguous(), batch,
+            self.plans[layer].window, [s.kv.bufs[layer - s.kv.lo] for s in segments],
+            self.attn_scale if self.attn_scale is not None else hd ** -0.5)
+
     @torch.inference_mode()
     def forward(self, segments: list[Segment], a: int, b: int) -> list[torch.Tensor]:
         """Run layers [a, b) for all segments as one ragged batch and append their K/V.
@@ -586,7 +617,13 @@ class LayerRangeRunner:
             for i in range(a - s.kv.lo, b - s.kv.lo):
                 s.kv._reserve(i, p + n)
         nh, hd = self.n_heads, self.head_dim
+        batch = (kernels.AttentionBatch(offsets, sizes, starts, masks)
+                 if self._kernel_attention else None)
         for layer in range(a, b):
+            if batch is not None:
+                att = self._kernel_attend(layer, x, rope, batch, segments)
+                x = self.layer_output(layer, x, att)
+                continue
             q, k, v = self.attention_inputs(layer, x, rope)
             q = q.transpose(0, 1)[None]                        # [1, nh, T, hd]
             k, v = k.transpose(0, 1), v.transpose(0, 1)        # [nkv, T, hd]

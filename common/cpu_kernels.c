@@ -1,0 +1,312 @@
+/* The runner's CPU matrix product (common/cpu_kernels.py builds and loads this file):
+ *
+ *     y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N])     fp32, AVX2 + FMA, OpenMP
+ *
+ * W is stored once, at load, as panels of 16 output rows, k-major inside a panel:
+ *
+ *     Wp[p][k][j] = W[16 p + j][k]        (zero rows pad the last panel)
+ *
+ * so a panel streams from memory as one contiguous run, and one k step is two 8-lane loads of
+ * W and one broadcast of x per row. Why not MKL or oneDNN: for the row counts of decode,
+ * ragged decode batches and verification (1-8 rows) their products read the weights at 12-17
+ * GB/s on this project's 2-core AMD EPYC while a plain read streams 35 GB/s; this layout
+ * reaches 25-29 GB/s for one row and stays ahead of oneDNN's prepacked weights up to 512 rows
+ * (common/runner.py's module doc has the numbers).
+ *
+ * Every output is one sequential FMA chain over k (no split sums, no horizontal reduction),
+ * and a row's chain does not depend on which tile or how many other rows it was computed
+ * with: a session's result is bit for bit the same alone or in any batch.
+ */
+#include <immintrin.h>
+#include <omp.h>
+
+#define PW 16   /* output rows per panel: two 8-lane vectors */
+
+void tdm_pack(const float* W, long N, long K, float* Wp) {
+    long P = (N + PW - 1) / PW;
+    #pragma omp parallel for schedule(static)
+    for (long p = 0; p < P; p++)
+        for (long k = 0; k < K; k++)
+            for (long j = 0; j < PW; j++) {
+                long n = p * PW + j;
+                Wp[(p * K + k) * PW + j] = n < N ? W[n * K + k] : 0.0f;
+            }
+}
+
+/* Rows [m0, m0 + MB) of x against panels [p0, p0 + NP): MB * NP * 2 accumulators (at most 12
+ * of the 16 ymm registers, the rest hold W and the broadcast). */
+#define KERNEL(MB, NP)                                                                          \
+static void k_##MB##_##NP(const float* restrict x, long K, const float* restrict Wp, long p0,  \
+                          long m0, long N, const float* restrict bias, float* restrict y) {    \
+    __m256 acc[MB][NP][2];                                                                      \
+    _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++)                                        \
+    _Pragma("GCC unroll 8") for (int q = 0; q < NP; q++)                                        \
+        acc[m][q][0] = acc[m][q][1] = _mm256_setzero_ps();                                      \
+    const float* w = Wp + p0 * K * PW;                                                          \
+    const float* xr = x + m0 * K;                                                               \
+    for (long k = 0; k < K; k++) {                                                              \
+        __m256 wv[NP][2];                                                                       \
+        _Pragma("GCC unroll 8") for (int q = 0; q < NP; q++) {                                  \
+            wv[q][0] = _mm256_loadu_ps(w + (q * K + k) * PW);                                   \
+            wv[q][1] = _mm256_loadu_ps(w + (q * K + k) * PW + 8);                               \
+        }                                                                                       \
+        _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) {                                  \
+            __m256 xb = _mm256_broadcast_ss(xr + m * K + k);                                    \
+            _Pragma("GCC unroll 8") for (int q = 0; q < NP; q++) {                              \
+                acc[m][q][0] = _mm256_fmadd_ps(wv[q][0], xb, acc[m][q][0]);                     \
+                acc[m][q][1] = _mm256_fmadd_ps(wv[q][1], xb, acc[m][q][1]);                     \
+            }                                                                                   \
+        }                                                                                       \
+    }                                                                                           \
+    _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++)                                        \
+    _Pragma("GCC unroll 8") for (int q = 0; q < NP; q++) {                                      \
+        long n = (p0 + q) * PW;                                                                 \
+        float out[PW];                                                                          \
+        _mm256_storeu_ps(out, acc[m][q][0]);                                                    \
+        _mm256_storeu_ps(out + 8, acc[m][q][1]);                                                \
+        float* yr = y + (m0 + m) * N;                                                           \
+        for (int j = 0; j < PW && n + j < N; j++)                                               \
+            yr[n + j] = bias ? out[j] + bias[n + j] : out[j];                                   \
+    }                                                                                           \
+}
+KERNEL(1, 4) KERNEL(1, 2) KERNEL(1, 1)
+KERNEL(2, 3) KERNEL(2, 1)
+KERNEL(3, 2) KERNEL(3, 1)
+KERNEL(4, 1) KERNEL(5, 1) KERNEL(6, 1)
+
+/* Panels [pa, pb) for rows [m0, m0 + mb), mb <= 6: the widest tile that fits, then narrower. */
+static void block(const float* x, long K, const float* Wp, long pa, long pb, long m0, long mb,
+                  long N, const float* bias, float* y) {
+    long p = pa;
+    switch (mb) {
+    case 1:
+        for (; p + 4 <= pb; p += 4) k_1_4(x, K, Wp, p, m0, N, bias, y);
+        for (; p + 2 <= pb; p += 2) k_1_2(x, K, Wp, p, m0, N, bias, y);
+        for (; p < pb; p++) k_1_1(x, K, Wp, p, m0, N, bias, y);
+        break;
+    case 2:
+        for (; p + 3 <= pb; p += 3) k_2_3(x, K, Wp, p, m0, N, bias, y);
+        for (; p < pb; p++) k_2_1(x, K, Wp, p, m0, N, bias, y);
+        break;
+    case 3:
+        for (; p + 2 <= pb; p += 2) k_3_2(x, K, Wp, p, m0, N, bias, y);
+        for (; p < pb; p++) k_3_1(x, K, Wp, p, m0, N, bias, y);
+        break;
+    case 4: for (; p < pb; p++) k_4_1(x, K, Wp, p, m0, N, bias, y); break;
+    case 5: for (; p < pb; p++) k_5_1(x, K, Wp, p, m0, N, bias, y); break;
+    case 6: for (; p < pb; p++) k_6_1(x, K, Wp, p, m0, N, bias, y); break;
+    }
+}
+
+#define MB_MAX 6         /* rows per tile */
+#define PANEL_CHUNK 4    /* panels a thread keeps in L1/L2 while every 6-row block passes */
+
+/* `threads` is the caller's (torch's) thread count: the OpenMP runtime is torch's own
+ * (common/cpu_kernels.py loads this library after torch), so this shares its thread pool. */
+void tdm_linear(const float* x, long M, long K, const float* Wp, long N, const float* bias,
+                float* y, int threads) {
+    long P = (N + PW - 1) / PW;
+    if (threads > P) threads = (int)P;
+    #pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        int t = omp_get_thread_num(), T = omp_get_num_threads();
+        long pa = P * t / T, pb = P * (t + 1) / T;
+        long step = M <= MB_MAX ? pb - pa : PANEL_CHUNK;
+        for (long c = pa; c < pb; c += step) {
+            long ce = c + step < pb ? c + step : pb;
+            for (long m0 = 0; m0 < M; m0 += MB_MAX)
+                block(x, K, Wp, c, ce, m0, M - m0 < MB_MAX ? M - m0 : MB_MAX, N, bias, y);
+        }
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * The rest of a decoder layer around the products, one call each instead of ~25 torch ops a
+ * layer (at ~5 us of dispatch apiece they cost as much as a decode step's products did).
+ * ------------------------------------------------------------------------------------------ */
+#include <math.h>
+#include <stdlib.h>
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* exp over 8 lanes: Cody-Waite range reduction by ln 2 and Cephes' degree-6 polynomial
+ * (about 1 ulp over the float range; expf itself cost 6-10 ns a call, most of SwiGLU's time).
+ * Below -88.4 it returns 0, above 88.4 infinity. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f));
+    x = _mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f));
+    __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f),
+                                               _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x);
+    y = _mm256_add_ps(y, _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+static inline float exp1(float x) {
+    float v[8] = {x};
+    _mm256_storeu_ps(v, exp8(_mm256_loadu_ps(v)));
+    return v[0];
+}
+
+static void norm_row(const float* xr, long H, const float* w, float eps, float* yr) {
+    __m256 acc = _mm256_setzero_ps();
+    long j = 0;
+    for (; j + 8 <= H; j += 8) {
+        __m256 v = _mm256_loadu_ps(xr + j);
+        acc = _mm256_fmadd_ps(v, v, acc);
+    }
+    float ss = hsum8(acc);
+    for (; j < H; j++) ss += xr[j] * xr[j];
+    float r = 1.0f / sqrtf(ss / (float)H + eps);
+    for (j = 0; j < H; j++) yr[j] = (xr[j] * r) * w[j];
+}
+
+/* y[t] = (x[t] * rsqrt(mean(x[t]^2) + eps)) * w, per row; w holds 1 + w for Gemma's norms. */
+void tdm_rms_norm(const float* x, long T, long H, const float* w, float eps, float* y,
+                  int threads) {
+    #pragma omp parallel for num_threads(threads) if (threads > 1 && T > 1) schedule(static)
+    for (long t = 0; t < T; t++) norm_row(x + t * H, H, w, eps, y + t * H);
+}
+
+/* The residual step and the next norm in one pass: xo = x + a, y = rms_norm(xo) * w. */
+void tdm_add_rms_norm(const float* x, const float* a, long T, long H, const float* w,
+                      float eps, float* xo, float* y, int threads) {
+    #pragma omp parallel for num_threads(threads) if (threads > 1 && T > 1) schedule(static)
+    for (long t = 0; t < T; t++) {
+        for (long j = 0; j < H; j++) xo[t * H + j] = x[t * H + j] + a[t * H + j];
+        norm_row(xo + t * H, H, w, eps, y + t * H);
+    }
+}
+
+/* y[t, j] = silu(gu[t, j]) * gu[t, inter + j]: SwiGLU on a fused gate|up product. */
+void tdm_silu_mul(const float* gu, long T, long inter, float* y, int threads) {
+    #pragma omp parallel for num_threads(threads) if (threads > 1 && T > 1) schedule(static)
+    for (long t = 0; t < T; t++) {
+        const float* g = gu + t * 2 * inter;
+        float* yr = y + t * inter;
+        long j = 0;
+        for (; j + 8 <= inter; j += 8) {
+            __m256 a = _mm256_loadu_ps(g + j);
+            __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), a));
+            __m256 sl = _mm256_div_ps(a, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+            _mm256_storeu_ps(yr + j, _mm256_mul_ps(sl, _mm256_loadu_ps(g + inter + j)));
+        }
+        for (; j < inter; j++) yr[j] = g[j] / (1.0f + exp1(-g[j])) * g[inter + j];
+    }
+}
+
+/* One layer's attention for a ragged batch of segments (sessions), after the q|k|v product.
+ *
+ *   qkv   [T, row] rows of the product; q at column 0 ([nh, hd]), k at nh*hd, v at (nh+nkv)*hd
+ *   cos, sin  [T, rot]: each token's RoPE rows (rotate-half over the first rot features)
+ *   seg   [nseg][4]: first row in T, n new tokens, cache position p, first visible key
+ *   kv    [nseg]: the layer's buffer [2, nkv, cap, hd] of the segment; cap [nseg]
+ *   mask  [nseg]: NULL (every key in [first, p + n) visible) or bool [n, p + n - first]
+ *   out   [T, nh * hd]
+ *
+ * RoPE is applied to q in place and to k on its way into the cache; new K/V rows are stored in
+ * token order at p, p + 1, ... Softmax runs in float32 over the visible keys only. */
+void tdm_attention(const float* qkv_in, long T, long row, long nh, long nkv, long hd,
+                   const float* cos, const float* sin, long rot,
+                   long nseg, const long* seg, float* const* kv, const long* cap,
+                   const unsigned char* const* mask, float scale, float* out, int threads) {
+    float* qkv = (float*)qkv_in;
+    long half = rot / 2, groups = nh / nkv;
+    #pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        /* RoPE, and the new K/V into each segment's cache */
+        #pragma omp for schedule(static)
+        for (long s = 0; s < nseg; s++) {
+            long off = seg[4 * s], n = seg[4 * s + 1], p = seg[4 * s + 2];
+            float* K = kv[s];
+            float* V = K + nkv * cap[s] * hd;
+            for (long i = 0; i < n; i++) {
+                float* r = qkv + (off + i) * row;
+                const float* c = cos + (off + i) * rot;
+                const float* sn = sin + (off + i) * rot;
+                for (long h = 0; h < nh + nkv; h++) {
+                    float* x = r + h * hd;
+                    float* dst = h < nh ? x : K + ((h - nh) * cap[s] + p + i) * hd;
+                    for (long d = 0; d < half; d++) {
+                        float a = x[d], b = x[d + half];
+                        dst[d] = a * c[d] - b * sn[d];
+                        dst[d + half] = b * c[d + half] + a * sn[d + half];
+                    }
+                    if (h >= nh)
+                        for (long d = rot; d < hd; d++) dst[d] = x[d];
+                }
+                const float* v = r + (nh + nkv) * hd;
+                for (long h = 0; h < nkv; h++)
+                    for (long d = 0; d < hd; d++) V[(h * cap[s] + p + i) * hd + d] = v[h * hd + d];
+            }
+        }
+        /* the implicit barrier of `omp for`: every cache row is written before any is read */
+        #pragma omp for schedule(dynamic, 1)
+        for (long item = 0; item < nseg * nh; item++) {
+            long s = item / nh, h = item % nh, kvh = h / groups;
+            long off = seg[4 * s], n = seg[4 * s + 1], p = seg[4 * s + 2], first = seg[4 * s + 3];
+            long S = p + n - first;
+            const float* K = kv[s] + (kvh * cap[s] + first) * hd;
+            const float* V = kv[s] + ((nkv + kvh) * cap[s] + first) * hd;
+            float* sc = malloc(sizeof(float) * (size_t)(S + 8 + hd));
+            float* o = sc + S + 8;
+            for (long i = 0; i < n; i++) {
+                const float* q = qkv + (off + i) * row + h * hd;
+                const unsigned char* vis = mask[s] ? mask[s] + i * S : NULL;
+                float mx = -INFINITY;
+                for (long j = 0; j < S; j++) {
+                    if (vis && !vis[j]) { sc[j] = -INFINITY; continue; }
+                    __m256 acc = _mm256_setzero_ps();
+                    for (long d = 0; d < hd; d += 8)
+                        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(K + j * hd + d), acc);
+                    sc[j] = hsum8(acc) * scale;
+                    if (sc[j] > mx) mx = sc[j];
+                }
+                /* exp(score - max), masked keys exactly 0 */
+                long j = 0;
+                __m256 vmx = _mm256_set1_ps(mx), vsum = _mm256_setzero_ps();
+                for (; j + 8 <= S; j += 8) {
+                    __m256 v = _mm256_loadu_ps(sc + j);
+                    __m256 keep = _mm256_cmp_ps(v, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+                    v = _mm256_and_ps(exp8(_mm256_sub_ps(v, vmx)), keep);
+                    _mm256_storeu_ps(sc + j, v);
+                    vsum = _mm256_add_ps(vsum, v);
+                }
+                float sum = hsum8(vsum);
+                for (; j < S; j++) {
+                    sc[j] = sc[j] == -INFINITY ? 0.0f : exp1(sc[j] - mx);
+                    sum += sc[j];
+                }
+                /* out = sum_j p_j V_j / sum, streaming V row by row */
+                for (long d = 0; d < hd; d++) o[d] = 0.0f;
+                for (long jj = 0; jj < S; jj++) {
+                    if (sc[jj] == 0.0f) continue;
+                    __m256 pv = _mm256_set1_ps(sc[jj]);
+                    const float* vr = V + jj * hd;
+                    for (long d = 0; d < hd; d += 8)
+                        _mm256_storeu_ps(o + d, _mm256_fmadd_ps(pv, _mm256_loadu_ps(vr + d),
+                                                                _mm256_loadu_ps(o + d)));
+                }
+                float* dst = out + (off + i) * nh * hd + h * hd;
+                __m256 inv = _mm256_set1_ps(1.0f / sum);
+                for (long d = 0; d < hd; d += 8)
+                    _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_loadu_ps(o + d), inv));
+            }
+            free(sc);
+        }
+    }
+}
