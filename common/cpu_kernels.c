@@ -310,3 +310,47 @@ void tdm_attention(const float* qkv_in, long T, long row, long nh, long nkv, lon
         }
     }
 }
+
+/* One whole decoder layer of the pre-norm SwiGLU families (Llama, Mistral, Qwen2/3, Phi-3) for
+ * a ragged batch, with no Python between its steps:
+ *
+ *   h = norm(x); qkv = h Wqkv (+ b); [q/k norms]; attention (RoPE, K/V writes)
+ *   a = att Wo (+ b); xo = x + a; h = norm(xo); m = silu(h Wg) * (h Wu); xo += m Wd (+ b)
+ *
+ * w: the layer's tensors by index (LW_*; a missing bias or q/k norm is NULL), the products in
+ * panel layout. dims: H, nh, nkv, hd, inter. scratch: T * (2 H + qkv + nh hd + 3 inter) floats.
+ * The attention arguments are tdm_attention's. */
+enum { LW_IN_NORM, LW_Q_NORM, LW_K_NORM, LW_PRE_MLP_NORM, LW_QKV, LW_QKV_B, LW_O, LW_O_B,
+       LW_GATE_UP, LW_GATE_UP_B, LW_DOWN, LW_DOWN_B, LW_COUNT };
+
+void tdm_layer(const float* x, float* xo, long T, const float* const* w, const long* dims,
+               float eps, const float* cos, const float* sin, long rot, long nseg,
+               const long* seg, float* const* kv, const long* cap,
+               const unsigned char* const* mask, float scale, float* scratch, int threads) {
+    long H = dims[0], nh = dims[1], nkv = dims[2], hd = dims[3], inter = dims[4];
+    long QKV = (nh + 2 * nkv) * hd;
+    float* h = scratch;
+    float* qkv = h + T * H;
+    float* att = qkv + T * QKV;
+    float* a = att + T * nh * hd;
+    float* gu = a + T * H;
+    float* m = gu + T * 2 * inter;
+    tdm_rms_norm(x, T, H, w[LW_IN_NORM], eps, h, threads);
+    tdm_linear(h, T, H, w[LW_QKV], QKV, w[LW_QKV_B], qkv, threads);
+    if (w[LW_Q_NORM]) {
+        #pragma omp parallel for num_threads(threads) if (threads > 1 && T > 1) schedule(static)
+        for (long t = 0; t < T; t++)
+            for (long hh = 0; hh < nh + nkv; hh++) {
+                float* r = qkv + t * QKV + hh * hd;
+                norm_row(r, hd, hh < nh ? w[LW_Q_NORM] : w[LW_K_NORM], eps, r);
+            }
+    }
+    tdm_attention(qkv, T, QKV, nh, nkv, hd, cos, sin, rot, nseg, seg, kv, cap, mask, scale, att,
+                  threads);
+    tdm_linear(att, T, nh * hd, w[LW_O], H, w[LW_O_B], a, threads);
+    tdm_add_rms_norm(x, a, T, H, w[LW_PRE_MLP_NORM], eps, xo, h, threads);
+    tdm_linear(h, T, H, w[LW_GATE_UP], 2 * inter, w[LW_GATE_UP_B], gu, threads);
+    tdm_silu_mul(gu, T, inter, m, threads);
+    tdm_linear(m, T, inter, w[LW_DOWN], H, w[LW_DOWN_B], a, threads);
+    for (long i = 0; i < T * H; i++) xo[i] += a[i];
+}

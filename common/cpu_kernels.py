@@ -119,8 +119,10 @@ def load() -> ctypes.CDLL | None:
     _lib.tdm_silu_mul.argtypes = [vp, lng, lng, vp, ctypes.c_int]
     _lib.tdm_attention.argtypes = [vp, lng, lng, lng, lng, lng, vp, vp, lng,
                                    lng, vp, vp, vp, vp, ctypes.c_float, vp, ctypes.c_int]
-    for f in (_lib.tdm_pack, _lib.tdm_linear, _lib.tdm_rms_norm, _lib.tdm_add_rms_norm, _lib.tdm_silu_mul,
-              _lib.tdm_attention):
+    _lib.tdm_layer.argtypes = [vp, vp, lng, vp, vp, ctypes.c_float, vp, vp, lng, lng, vp, vp, vp,
+                               vp, ctypes.c_float, vp, ctypes.c_int]
+    for f in (_lib.tdm_pack, _lib.tdm_linear, _lib.tdm_rms_norm, _lib.tdm_add_rms_norm,
+              _lib.tdm_silu_mul, _lib.tdm_attention, _lib.tdm_layer):
         f.restype = None
     return _lib
 
@@ -237,6 +239,44 @@ def attention(qkv: torch.Tensor, nh: int, nkv: int, hd: int, cos: torch.Tensor,
                        ptrs, caps, batch.masks[window], scale, out.data_ptr(),
                        torch.get_num_threads())
     return out
+
+
+# tdm_layer's tensors, in the order of its LW_* indices
+LAYER_TENSORS = ("in_norm", "q_norm", "k_norm", "pre_mlp_norm", "qkv", "qkv_b", "o", "o_b",
+                 "gate_up", "gate_up_b", "down", "down_b")
+
+
+class Layer:
+    """One pre-norm SwiGLU decoder layer as `tdm_layer` runs it: its tensors' addresses (the
+    runner keeps the tensors) and its dimensions."""
+
+    def __init__(self, w: dict, hidden: int, nh: int, nkv: int, hd: int, eps: float,
+                 scale: float):
+        def address(name):
+            t = w.get(name)
+            return None if t is None else (t.data if isinstance(t, PanelWeight) else t).data_ptr()
+
+        self.inter = w["gate_up"].out_features // 2
+        self.ptrs = (ctypes.c_void_p * len(LAYER_TENSORS))(*[address(n) for n in LAYER_TENSORS])
+        self.dims = (ctypes.c_long * 5)(hidden, nh, nkv, hd, self.inter)
+        self.hidden, self.nh, self.nkv, self.hd = hidden, nh, nkv, hd
+        self.eps, self.scale = eps, scale
+
+    def scratch_floats(self, T: int) -> int:
+        return T * (2 * self.hidden + (self.nh + 2 * self.nkv) * self.hd + self.nh * self.hd
+                    + 3 * self.inter)
+
+    def __call__(self, x: torch.Tensor, xo: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 batch: AttentionBatch, window: int | None, bufs: list[torch.Tensor],
+                 scratch: torch.Tensor) -> None:
+        """xo = the layer applied to x [T, hidden] (both contiguous fp32; scratch at least
+        scratch_floats(T)); appends each segment's K/V to bufs[s] as `attention` does."""
+        ptrs = (ctypes.c_void_p * batch.nseg)(*[b.data_ptr() for b in bufs])
+        caps = (ctypes.c_long * batch.nseg)(*[b.shape[2] for b in bufs])
+        _lib.tdm_layer(x.data_ptr(), xo.data_ptr(), x.shape[0], self.ptrs, self.dims, self.eps,
+                       cos.data_ptr(), sin.data_ptr(), cos.shape[-1], batch.nseg,
+                       batch.seg[window].data_ptr(), ptrs, caps, batch.masks[window], self.scale,
+                       scratch.data_ptr(), torch.get_num_threads())
 
 
 if __name__ == "__main__":   # prebuild (package installs, images): python -m common.gemm

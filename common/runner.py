@@ -343,6 +343,13 @@ class LayerRangeRunner:
             self.norm_w = self.lm_head = None
         handles.clear()
         self._fused_norm = self._fused_norm_exact()
+        # the pre-norm SwiGLU families run each layer as one kernel call (tdm_layer)
+        self._kernel_layers = None
+        if self._kernel_attention and self._kernel_swiglu and not fam.sandwich_norms:
+            scale = self.attn_scale if self.attn_scale is not None else self.head_dim ** -0.5
+            self._kernel_layers = [kernels.Layer(w, self.hidden_size, self.n_heads, self.kv_heads,
+                                                 self.head_dim, self.eps, scale)
+                                   for w in self.layers]
 
     def _choose_gemm(self, gemm: str) -> str:
         """The products' implementation ('Matrix products', module doc): "panel" (this
@@ -583,6 +590,21 @@ class LayerRangeRunner:
             self.plans[layer].window, [s.kv.bufs[layer - s.kv.lo] for s in segments],
             self.attn_scale if self.attn_scale is not None else hd ** -0.5)
 
+    def _kernel_forward(self, x: torch.Tensor, rope: dict, batch, segments, a: int,
+                        b: int) -> torch.Tensor:
+        """Layers [a, b) as one tdm_layer call each, x and a second buffer taking turns."""
+        x = x.contiguous()
+        xo = torch.empty_like(x)
+        scratch = torch.empty(self._kernel_layers[0].scratch_floats(x.shape[0]))
+        rope = {k: (c.contiguous(), s_.contiguous()) for k, (c, s_) in rope.items()}
+        for layer in range(a, b):
+            cos, sin = rope[self.plans[layer].rope]
+            self._kernel_layers[layer - self.lo](
+                x, xo, cos, sin, batch, self.plans[layer].window,
+                [s.kv.bufs[layer - s.kv.lo] for s in segments], scratch)
+            x, xo = xo, x
+        return x
+
     @torch.inference_mode()
     def forward(self, segments: list[Segment], a: int, b: int) -> list[torch.Tensor]:
         """Run layers [a, b) for all segments as one ragged batch and append their K/V.
@@ -619,7 +641,9 @@ class LayerRangeRunner:
         nh, hd = self.n_heads, self.head_dim
         batch = (kernels.AttentionBatch(offsets, sizes, starts, masks)
                  if self._kernel_attention else None)
-        for layer in range(a, b):
+        if self._kernel_layers is not None:
+            x = self._kernel_forward(x, rope, batch, segments, a, b)
+        for layer in range(a, b) if self._kernel_layers is None else ():
             if batch is not None:
                 att = self._kernel_attend(layer, x, rope, batch, segments)
                 x = self.layer_output(layer, x, att)
