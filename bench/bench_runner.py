@@ -25,9 +25,9 @@ the table gives the median over reps with the spread (min-max), and ratios are t
                 prepacked oneDNN weights (see common/runner.py)
 
 The limits, measured in the same interleaved reps (bench/runner_limits.py, issue #20):
-  read          the machine's read bandwidth (the faster of torch.mv and a sum over an fp32
-                buffer the size of the model's weights); floor = the bytes a decode step
-                streams / that bandwidth
+  read          the machine's read bandwidth (the fastest of torch.mv, a sum and the panel
+                kernel over an fp32 buffer the size of the model's weights); floor = the bytes
+                a decode step streams / that bandwidth
   llama.cpp     the same weights as an ALL_F32 GGUF (llama.cpp's quantize of the source GGUF,
                 made once next to the target), `steps` tokens after a `context`-token prompt,
                 and a 512-token prompt evaluation, on the same threads
@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
                             ("runner decode, oneDNN products", "runner_decode_onednn", "ms/token"),
                             ("llama.cpp F32 decode", "llama_decode", "ms/token"),
                             ("bandwidth floor", "floor", "ms/token"),
-                            ("read bandwidth (best of GEMV, sum)", "read_bw", "GB/s"),
+                            ("read bandwidth (best reader)", "read_bw", "GB/s"),
                             ("runner batch x8 decode", "batch8", "ms/step (8 tokens)"),
                             ("runner verify k=8", "verify8", "ms/call (8 tokens)"),
                             (f"runner prefill {PREFILL_TOKENS}", "runner_prefill", "ms"),

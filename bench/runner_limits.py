@@ -1,10 +1,10 @@
 """The limits the runner is measured against in every `tandem bench runner` run (issue #20):
 
-* the machine's read bandwidth: the faster of a torch matrix-vector product and a plain sum
-  over an fp32 buffer as large as the model's weights, on the bench's threads; the bandwidth
-  floor of a decode step is then the bytes a step streams (every layer matrix, the norms and the
-  LM head) over that bandwidth (a GEMV alone read 12-15 GB/s on the AMD EPYC where a sum read 35
-  and llama.cpp's products beat that "floor");
+* the machine's read bandwidth: the fastest of a torch matrix-vector product, a plain sum and
+  the runner's panel kernel over an fp32 buffer as large as the model's weights, on the bench's
+  threads; the bandwidth floor of a decode step is then the bytes a step streams (every layer
+  matrix, the norms and the LM head) over that bandwidth (a GEMV alone read 12-15 GB/s on the
+  AMD EPYC where a sum read 35, and llama.cpp's products beat that "floor");
 * llama.cpp on the same weights: the bundled Q4_1 GGUF converted to ALL_F32 by llama.cpp's own
   quantize API (the runner's fp32 target is the same GGUF dequantised by transformers, so both
   read the same values), timed by llama-cpp-python for decode and for prompt evaluation.
@@ -39,19 +39,25 @@ def weight_bytes(runner) -> int:
 def read_bandwidth_case(nbytes: int, width: int = 1024):
     """Closure returning one sample of the machine's read bandwidth in bytes/s over an fp32
     buffer of about `nbytes` (so it streams from memory as the model's weights do, not from
-    cache): the faster of a torch GEMV (torch.mv) and a plain sum over the same buffer. Any
-    product reads every weight byte at least once, so the bytes a step streams over this is a
-    floor only as good as the fastest reader measured: a kernel under it (llama.cpp/floor < 1)
-    means a faster reader exists."""
+    cache): the fastest of a torch GEMV (torch.mv), a plain sum, and the runner's own panel
+    kernel (common/cpu_kernels.py) over the same bytes. Any product reads every weight byte at
+    least once, so the bytes a step streams over this is a floor only as good as the fastest
+    reader measured; a kernel under it (llama.cpp/floor < 1) means a faster reader exists."""
+    from common import cpu_kernels
+
     rows = max(1, nbytes // (4 * width))
     w = torch.randn(rows, width)
     x = torch.randn(width)
-    torch.mv(w, x)
-    w.sum()
+    readers = [lambda: torch.mv(w, x), w.sum]
+    if cpu_kernels.unavailable() is None:
+        panel, x1 = cpu_kernels.pack(w), x[None]
+        readers.append(lambda: cpu_kernels.linear(x1, panel))
+    for read in readers:
+        read()
 
     def sample() -> float:
         best = float("inf")
-        for read in (lambda: torch.mv(w, x), w.sum):
+        for read in readers:
             t = time.perf_counter()
             read()
             best = min(best, time.perf_counter() - t)

@@ -13,51 +13,36 @@ How a forward call is laid out (T = all new tokens of all segments, concatenated
 * each session's KV lives in per-layer buffers [2, kv_heads, capacity, head_dim] that grow
   geometrically; truncation only moves the per-layer lengths.
 
-Matrix products go through oneDNN with weights pre-reordered into its blocked layout, not through
-torch's default MKL sgemm. Measured on the 2-core AMD EPYC (Zen, AVX-512) this project runs on,
-median ms, 2 threads (bench/bench_runner.py --gemm reproduces it):
+Matrix products and the layer around them (CPU, float32): this project's kernels
+(common/cpu_kernels.c, built on first use; `gemm="panel"`, the default where they build). Every
+weight is stored once as panels of 16 output rows, k-major, so a product streams each panel as
+one contiguous run; the pre-norm SwiGLU families (Llama, Mistral, Qwen2/3, Phi-3) run each whole
+layer as one kernel call (norm, q|k|v, q/k norms, RoPE + K/V writes + attention for every
+segment, o, residual + norm, SwiGLU, down), Gemma's layers op by op through the same kernels.
+Why: on this project's 2-core AMD EPYC (Zen 3, AVX2) the libraries' products read the weights
+far below the machine's bandwidth at decode's row counts. All 121 products of a SmolLM2 decode
+step (538 MB), one row, 2 threads, median of 9 interleaved reps (/tmp scripts, #20):
 
-    LM head 49152x576, rows:      1      2      8     64    512
-    F.linear (MKL sgemm)         6.8   13.5   11.0   31.8   175
-    mm(W, x.T) (MKL, swapped)    6.9    2.4    5.4   24.0   160
-    numpy x @ W.T (OpenBLAS)     2.2    6.0    5.2   19.9     -
-    oneDNN, plain weight         2.4    3.5    4.1   10.1     -
-    oneDNN, prepacked weight     2.3    2.3    2.5    8.4     85
+    MKL F.linear  11.5 GB/s    oneDNN prepacked (8 rows)  14.7-22.8    numpy/OpenBLAS  15.6
+    this kernel   25-29 GB/s   a plain streaming sum over the same bytes                35
 
-Why MKL is pathological here. MKL_VERBOSE shows that torch calls SGEMM(T,N, m=49152, n=rows,
-k=576): the weight is the huge transposed operand and the few rows are n. For n=1 MKL never
-reaches a bandwidth-bound gemv (6.8 ms, while OpenBLAS and oneDNN stream the same 113 MB in
-2.2 ms, ~50 GB/s); n=2 costs two such passes (13.5 ms); from n~4 the time (11 ms for 8 rows) is
-that of a blocked gemm that re-packs the weight panel on every call. Handing MKL the same
-product with the operands swapped (m=rows, mm(W, x.T)) halves it, so MKL's small-n path is
-the first cause. The second is vendor dispatch: MKL's timings do not move under
-MKL_ENABLE_INSTRUCTIONS=SSE4_2 and its large-batch throughput is half of oneDNN's, consistent
-with MKL running no AVX-512 kernels on this AMD CPU, while oneDNN picks kernels by CPUID
-features. Prepacking the weight once (hint: 8 rows) also removes oneDNN's per-call reorder. The
-decoder projections (at most 7 MB) show the same pattern at 8 rows (gate/up 0.27 ms MKL vs
-0.08 ms prepacked oneDNN), so every projection is prepacked.
-
-One row (decode). The blocked layout tuned for 8 rows is not the fastest gemv on every CPU: on
-the 2-core Intel Xeon this project later ran on, one row through all 120 layer products of
-SmolLM2 took 25 ms prepacked vs 17 ms as MKL's F.linear on the plain weights (while 8 rows took
-30 ms prepacked vs 39 ms plain; a one-off timing of the products alone, #20), and a whole decode
-step 0.85x the time (`tandem bench runner --row-weights always`: "decode one-row path/packed");
-on the AMD EPYC above, MKL's one-row path is the slow one.
-So the runner times both on its own layer weights at load (`row_weights="auto"`, ~0.2 s) and,
-where the plain gemv is clearly faster, keeps a plain copy of each layer matrix for one-row
-products (the LM head stays packed: oneDNN streams it at full bandwidth on both CPUs). The copy
-costs the layer weights' memory once more; `row_weights="never"` trades the speed back for it.
+and per op ~5 us of torch dispatch x ~25 ops a layer cost as much again: a decode step took
+42-48 ms with oneDNN's products and torch's ops, 17-24 ms with the kernels
+(`tandem bench runner` times both in the same reps). The kernel stays ahead of oneDNN up to 512
+rows (prefill: 100 vs 67 GFLOP/s), so one layout serves every row count and the weights are held
+once. `gemm="onednn"` (prepacked oneDNN, torch's ops: where the kernels cannot be built, or for
+comparison) and `gemm="torch"` (plain F.linear: CUDA, and dtypes the others do not serve) remain.
 
 Devices. `device="cuda"` (or "cuda:N") puts the weights, the KV caches and the RoPE tables on
-that GPU and runs every product as plain F.linear (the oneDNN prepacking above is CPU-only);
+that GPU and runs every product as plain F.linear (the kernels above are CPU-only);
 inputs may be CPU tensors and outputs come back on the CPU, so callers (the services, the suffix
 executor's padded path) are unchanged. Asking for CUDA where torch cannot use it is an error at
 load, saying why (`resolve_device`).
 
 Accuracy: transformers runs MKL, so logits differ from it by ~1e-4 (sums in another order), as
-much as transformers differs from itself between prefill and token-by-token decode. Prepacked
-oneDNN rows are also independent of the batch size (bit-equal for 2..128 rows; one row takes a
-gemv path in the down projection), which MKL's are not.
+much as transformers differs from itself between prefill and token-by-token decode. The
+kernel's products are independent of the batch: each output is one FMA chain over k whatever
+the tile, so a row gives the same bits alone or among any number of others (MKL's do not).
 """
 
 from __future__ import annotations
@@ -78,10 +63,7 @@ from common.architectures import (
     rope_kinds,
 )
 
-# The row count oneDNN tunes its blocked weight layout for. Decode (1 row), ragged decode batches
-# and k-token verification (8) run at bandwidth speed with it. Prefill pays some: gate/up on 512
-# rows takes 8.0 ms in this layout vs 3.5 ms in one tuned for 512 (MKL: 8.6 ms); a whole 512-token
-# prefill still takes half of transformers' time (1.5 s vs 3.1 s, measured at load 6).
+# The row count oneDNN tunes its blocked weight layout for (gemm="onednn").
 PACK_ROWS = 8
 
 
@@ -219,8 +201,7 @@ class LayerRangeRunner:
     layer: `rope_rows`, `attention_inputs`, `attend`, `layer_output`, `logits`, plus
     `window(layer)` for sliding-window layers.
 
-    `row_weights`: "auto" (time packed vs plain one-row products at load and keep plain copies
-    of the layer matrices if plain is clearly faster), "always" or "never"; CPU prepack only."""
+    `gemm`: the products ("auto", "panel", "onednn", "torch": `_choose_gemm`)."""
 
     def __init__(self, model_dir: str | Path, layers: tuple[int, int] | None = None,
                  dtype: torch.dtype = torch.float32, threads: int | None = None,

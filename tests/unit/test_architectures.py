@@ -113,6 +113,21 @@ def test_every_family_is_covered():
     assert set(FAMILIES) == {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3"}
 
 
+# Which of the runner's CPU kernel paths (common/runner.py) each family takes, so that the tests
+# below check the kernels against transformers rather than a silent fallback to torch's ops.
+KERNEL_PATH = {"llama3": "layer", "llama-bias": "layer", "mistral": "layer", "qwen2": "layer", "qwen3": "layer",
+               "phi3": "layer", "gemma3": "attention",   # sandwich norms, GELU: op by op
+               "gemma2": "ops"}                          # soft-capped scores: torch's attention
+
+
+def test_each_family_takes_its_kernel_path(tiny):
+    name, _, _, runner = tiny
+    assert runner.gemm == "panel"
+    path = ("layer" if runner._kernel_layers is not None else
+            "attention" if runner._kernel_attention else "ops")
+    assert path == KERNEL_PATH[name]
+
+
 def test_margins_are_clear(tiny):
     """The premise of token-for-token comparison: no near-tie along the reference's path."""
     _, _, ref, _ = tiny
