@@ -73,7 +73,7 @@ WORKDIR /src
 COPY . .
 RUN --mount=type=cache,target=/root/.cache/pip \
     pip install . \
- && (cd / && python -m common.cpu_kernels || echo "the runner will use oneDNN's products") \
+ && (python -P -m common.cpu_kernels || echo "the runner will use oneDNN's products") \
  && python -c "import torch, llama_cpp, zmq, common.metrics, tandem; print('torch', torch.__version__, 'cuda' if torch.version.cuda else 'cpu')" \
  && tandem --help > /dev/null
 
