@@ -21,8 +21,8 @@ the table gives the median over reps with the spread (min-max), and ratios are t
   decode oneDNN the same decode with oneDNN's prepacked products (gemm="onednn", the runner's
                 products before the panel kernel), when the runner runs the panel kernel
   prefill 512   one 512-token prompt into an empty cache (logits for the last token)
-  --gemm        the LM-head product (49152x576) by method and row count: why the runner uses
-                prepacked oneDNN weights (see common/runner.py)
+  --gemm        every product of a decode step, and the LM-head product (49152x576) alone, by
+                method and row count: why the runner has its own kernel (common/runner.py)
 
 The limits, measured in the same interleaved reps (bench/runner_limits.py, issue #20):
   read          the machine's read bandwidth (the fastest of torch.mv, a sum and the panel
@@ -224,6 +224,45 @@ def gemm_table(reps: int) -> list[dict]:
     return rows
 
 
+def step_products_table(runner, reps: int) -> list[dict]:
+    """Every product of one decode step (each layer's q|k|v, o, gate|up, down and the LM head:
+    the bytes a step streams) by method, 1 and 8 rows, interleaved rep by rep: ms and the GB/s
+    of weights read. Random weights of the runner's shapes, one copy per layout."""
+    F = torch.nn.functional
+    H, nh, nkv, hd = runner.hidden_size, runner.n_heads, runner.kv_heads, runner.head_dim
+    inter = runner.config.intermediate_size
+    shapes = [((nh + 2 * nkv) * hd, H), (H, nh * hd), (2 * inter, H), (H, inter)]
+    shapes = shapes * runner.num_layers + [(runner.vocab_size, H)]
+    gen = torch.Generator().manual_seed(2)
+    plain = [torch.randn(*s, generator=gen) for s in shapes]
+    nbytes = sum(w.numel() * 4 for w in plain)
+    layouts = {"MKL F.linear": (plain, F.linear)}
+    if torch.backends.mkldnn.is_available():
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS) for w in plain]
+        layouts[f"oneDNN prepacked ({PACK_ROWS} rows)"] = (
+            packed, lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""))
+    if kernels.unavailable() is None:
+        layouts["panel kernel (common/cpu_kernels.py)"] = ([kernels.pack(w) for w in plain],
+                                                           kernels.linear)
+    rows = []
+    for m in (1, 8):
+        xs = {k: torch.randn(m, k, generator=gen) for k in {s[1] for s in shapes}}
+        xin = [xs[s[1]] for s in shapes]
+        cases = {name: (lambda ws=ws, f=f, xin=xin: [f(x, w) for x, w in zip(xin, ws)])
+                 for name, (ws, f) in layouts.items()}
+        times: dict[str, list[float]] = {k: [] for k in cases}
+        for f in cases.values():
+            f()
+        for _ in range(reps):
+            for k, f in cases.items():
+                times[k].append(_ms(f))
+        for k, ts in times.items():
+            med = statistics.median(ts)
+            rows.append({"rows": m, "method": k, "ms": med, "GB/s": nbytes / med / 1e6,
+                         "GFLOP/s": 2 * m * nbytes / 4 / med / 1e6})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="bench_runner", description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=7)
@@ -233,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--target", default=None, help="HF target dir, a GGUF (dequantised once) or a "
                     "named model such as gemma3-270m (default: the bundled SmolLM2)")
-    ap.add_argument("--gemm", action="store_true", help="also time the LM-head GEMM methods")
+    ap.add_argument("--gemm", action="store_true",
+                    help="also time the products by method: a decode step's and the LM head's")
     ap.add_argument("--products", choices=("auto", "panel", "onednn", "torch"), default="auto",
                     help="the runner's matrix products (LayerRangeRunner's gemm)")
     ap.add_argument("--no-limits", action="store_true", help="leave out the GEMV bandwidth "
@@ -333,7 +373,12 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows, [("case", "case"), ("median", "median"), ("min", "min"), ("max", "max"),
                        ("unit", "unit"), ("goal", "goal")]))
     gemm = []
+    products = []
     if args.gemm:
+        products = step_products_table(runner, max(args.reps, 5))
+        print(f"\nall products of one decode step ({step_bytes / 1e6:.0f} MB of weights), median "
+              f"over {max(args.reps, 5)} interleaved reps, {threads} threads")
+        print(table(products, [(k, k) for k in products[0]]))
         gemm = gemm_table(max(args.reps, 5))
         print(f"\nLM head 49152x576, median ms over {max(args.reps, 5)} reps, {threads} threads")
         print(table(gemm, [(k, k) for k in gemm[0]]))
@@ -345,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     rows += tree_rows
     write_json(args.json, "runner", f"context{args.context}", rows, gemm=gemm,
                samples=samples, threads=threads, limits=limits,
-               products=runner.gemm)
+               products=runner.gemm, step_products=products)
     return 0
 
 

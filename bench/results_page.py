@@ -377,12 +377,18 @@ def runner_section(doc: dict, name: str) -> str:
              f"scenario `{doc.get('scenario')}`)", "",
              "Median over reps with the range; ratios taken per rep (paired). Goals from the "
              "foundation issue and #20. Where the run measured its limits (bench/runner_limits.py)"
-             ": the bandwidth floor is the bytes a decode step streams over the GEMV bandwidth "
-             "measured in the same reps, and llama.cpp runs the same weights as an ALL_F32 GGUF.",
+             ": the bandwidth floor is the bytes a decode step streams over the read bandwidth "
+             "measured in the same reps (a GEMV alone in runs before the CPU kernels), and "
+             "llama.cpp runs the same weights as an ALL_F32 GGUF.",
              ""]
     lines.append(_md_table([[r["case"], r["median"], r["min"], r["max"], r["unit"], r["goal"]]
                             for r in doc["results"]],
                            ["case", "median", "min", "max", "unit", "goal"]))
+    if doc.get("step_products"):
+        lines += ["", "Every product of one decode step, by method and rows (median over reps):", "",
+                  _md_table([[r["rows"], r["method"], r["ms"], r["GB/s"], r["GFLOP/s"]]
+                             for r in doc["step_products"]],
+                            ["rows", "method", "ms", "GB/s of weights", "GFLOP/s"])]
     if doc.get("gemm"):
         lines += ["", "LM head 49152x576, ms by method and rows:", "",
                   _md_table([list(g.values()) for g in doc["gemm"]], list(doc["gemm"][0]))]

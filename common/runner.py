@@ -21,17 +21,18 @@ layer as one kernel call (norm, q|k|v, q/k norms, RoPE + K/V writes + attention 
 segment, o, residual + norm, SwiGLU, down), Gemma's layers op by op through the same kernels.
 Why: on this project's 2-core AMD EPYC (Zen 3, AVX2) the libraries' products read the weights
 far below the machine's bandwidth at decode's row counts. All 121 products of a SmolLM2 decode
-step (538 MB), one row, 2 threads, median of 9 interleaved reps (/tmp scripts, #20):
+step (538 MB), 2 threads, median of 7 interleaved reps (`tandem bench runner --gemm`, README):
 
-    MKL F.linear  11.5 GB/s    oneDNN prepacked (8 rows)  14.7-22.8    numpy/OpenBLAS  15.6
-    this kernel   25-29 GB/s   a plain streaming sum over the same bytes                35
+    rows   MKL F.linear   oneDNN prepacked   this kernel      (read bandwidth, best reader: 33 GB/s)
+    1      48.3 ms        38.4 ms            22.4 ms (24 GB/s)
+    8      99.4 ms        48.4 ms            34.3 ms (63 GFLOP/s)
 
-and per op ~5 us of torch dispatch x ~25 ops a layer cost as much again: a decode step took
-42-48 ms with oneDNN's products and torch's ops, 17-24 ms with the kernels
-(`tandem bench runner` times both in the same reps). The kernel stays ahead of oneDNN up to 512
-rows (prefill: 100 vs 67 GFLOP/s), so one layout serves every row count and the weights are held
-once. `gemm="onednn"` (prepacked oneDNN, torch's ops: where the kernels cannot be built, or for
-comparison) and `gemm="torch"` (plain F.linear: CUDA, and dtypes the others do not serve) remain.
+and torch's per-op dispatch for ~25 ops a layer cost nearly as much again: a decode step took
+46 ms with oneDNN's products and torch's ops, 22 ms with the kernels (same run). For prefill the
+kernel is level with oneDNN (LM head, 64 rows: 28.0 vs 29.4 ms), so one layout serves every row
+count and each weight is held once. `gemm="onednn"` (prepacked oneDNN and torch's ops: where the
+kernels cannot be built, and for comparison) and `gemm="torch"` (plain F.linear: CUDA, and dtypes
+the others do not serve) remain.
 
 Devices. `device="cuda"` (or "cuda:N") puts the weights, the KV caches and the RoPE tables on
 that GPU and runs every product as plain F.linear (the kernels above are CPU-only);
