@@ -4,7 +4,9 @@ weights), its fused norm, and the limits `tandem bench runner` measures against
 
 from __future__ import annotations
 
-import re
+import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -71,12 +73,21 @@ def test_the_kernel_refuses_bad_inputs():
 
 
 def test_the_kernel_shares_torchs_openmp_runtime():
-    """One OpenMP runtime in the process: the kernel's threads are torch's, not a second pool
-    spinning against it on the same cores."""
-    gemm.linear(torch.randn(3, 64), gemm.pack(torch.randn(64, 64)))
-    maps = Path("/proc/self/maps").read_text()
-    gomps = {line.split()[-1] for line in maps.splitlines() if re.search(r"libgomp[^/]*\.so", line)}
-    assert len(gomps) == 1, gomps
+    """One OpenMP runtime for torch and the kernels: their threads are torch's, not a second pool
+    spinning against it on the same cores. In a fresh process (this one may hold other
+    libraries' own runtimes, e.g. scikit-learn's)."""
+    code = (
+        "import re, torch\n"
+        "from pathlib import Path\n"
+        "from common import cpu_kernels as k\n"
+        "k.linear(torch.randn(3, 64), k.pack(torch.randn(64, 64)))\n"
+        "maps = Path('/proc/self/maps').read_text().splitlines()\n"
+        "print(sorted({l.split()[-1] for l in maps if re.search(r'libgomp[^/]*\\.so', l)}))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr
+    gomps = ast.literal_eval(out.stdout.strip().splitlines()[-1])
+    assert len(gomps) == 1 and "torch" in gomps[0], gomps
 
 
 def test_panel_path_matches_transformers_and_the_onednn_path(runners, hf_model, tokenizer):
