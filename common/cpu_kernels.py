@@ -1,13 +1,15 @@
-"""The runner's CPU matrix product: common/cpu_kernels.c (panel-packed fp32 weights, AVX2 +
-FMA, OpenMP), built once with the system C compiler and called through ctypes.
+"""The runner's CPU kernels: common/cpu_kernels.c (fp32, AVX2 + FMA, OpenMP), built once with
+the system C compiler and called through ctypes: the products on panel-packed weights, RMSNorm,
+residual + norm, SwiGLU, one layer's attention for a ragged batch, and a whole pre-norm SwiGLU
+decoder layer (`Layer`).
 
-    kernel = gemm.load()           # None where it cannot run here (why: gemm.unavailable())
-    wp = gemm.pack(w)              # [N, K] fp32 -> PanelWeight, once at load
-    y = gemm.linear(x, wp, bias)   # x [M, K] -> [M, N], any M
+    lib = cpu_kernels.load()              # None where it cannot run here (why: unavailable())
+    wp = cpu_kernels.pack(w)              # [N, K] fp32 -> PanelWeight, once at load
+    y = cpu_kernels.linear(x, wp, bias)   # x [M, K] -> [M, N], any M
 
-Building: the library is compiled on first use (~1 s) into a folder named after the source
+Building: the library is compiled on first use (~2 s) into a folder named after the source
 and the flags, beside this file (`common/_build/`, where a package install can prebuild it:
-`python -m common.gemm`) or, where that is not writable, under the user's cache; a second
+`python -m common.cpu_kernels`) or, where that is not writable, under the user's cache; a second
 process finds it there. It links the OpenMP runtime that torch has already loaded (the same
 `libgomp.so.1`), so its threads are torch's threads, not a second pool spinning on the same
 cores.
@@ -137,7 +139,7 @@ def pack(w: torch.Tensor) -> PanelWeight:
     """[N, K] fp32 CPU weight -> its panel layout (a copy; `w` may be freed after)."""
     lib = load()
     if lib is None:
-        raise RuntimeError(f"the gemm kernel is unavailable: {_why}")
+        raise RuntimeError(f"the CPU kernels are unavailable: {_why}")
     if w.dtype != torch.float32 or w.device.type != "cpu" or w.dim() != 2:
         raise ValueError(f"pack: need a 2-D fp32 CPU tensor, got {w.dtype} {tuple(w.shape)} "
                          f"on {w.device}")
@@ -279,8 +281,8 @@ class Layer:
                        scratch.data_ptr(), torch.get_num_threads())
 
 
-if __name__ == "__main__":   # prebuild (package installs, images): python -m common.gemm
+if __name__ == "__main__":   # prebuild (package installs, images): python -m common.cpu_kernels
     if load() is None:
-        print(f"gemm kernel unavailable: {_why}", file=sys.stderr)
+        print(f"CPU kernels unavailable: {_why}", file=sys.stderr)
         sys.exit(1)
-    print(f"gemm kernel: {_lib._name}")
+    print(f"CPU kernels: {_lib._name}")

@@ -27,8 +27,8 @@ step (538 MB), 2 threads, median of 7 interleaved reps (`tandem bench runner --g
     1      48.3 ms        38.4 ms            22.4 ms (24 GB/s)
     8      99.4 ms        48.4 ms            34.3 ms (63 GFLOP/s)
 
-and torch's per-op dispatch for ~25 ops a layer cost nearly as much again: a decode step took
-46 ms with oneDNN's products and torch's ops, 22 ms with the kernels (same run). For prefill the
+and the ~25 torch ops a layer around them added ~8 ms: a decode step took 46 ms with oneDNN's
+products and torch's ops, 22 ms with the kernels (same run). For prefill the
 kernel is level with oneDNN (LM head, 64 rows: 28.0 vs 29.4 ms), so one layout serves every row
 count and each weight is held once. `gemm="onednn"` (prepacked oneDNN and torch's ops: where the
 kernels cannot be built, and for comparison) and `gemm="torch"` (plain F.linear: CUDA, and dtypes
