@@ -225,6 +225,11 @@ class AttentionBatch:
                     ptrs.append(m.data_ptr())
             self.masks[window] = (ctypes.c_void_p * self.nseg)(*ptrs)
 
+    def buffers(self, bufs: list[torch.Tensor]):
+        """One layer's cache buffers [2, nkv, cap, hd], a segment each: (addresses, capacities)."""
+        return ((ctypes.c_void_p * self.nseg)(*[b.data_ptr() for b in bufs]),
+                (ctypes.c_long * self.nseg)(*[b.shape[2] for b in bufs]))
+
 
 def attention(qkv: torch.Tensor, nh: int, nkv: int, hd: int, cos: torch.Tensor,
               sin: torch.Tensor, batch: AttentionBatch, window: int | None,
@@ -234,8 +239,7 @@ def attention(qkv: torch.Tensor, nh: int, nkv: int, hd: int, cos: torch.Tensor,
     rotated there). Returns [T, nh * hd]."""
     T = qkv.shape[0]
     out = torch.empty(T, nh * hd)
-    ptrs = (ctypes.c_void_p * batch.nseg)(*[b.data_ptr() for b in bufs])
-    caps = (ctypes.c_long * batch.nseg)(*[b.shape[2] for b in bufs])
+    ptrs, caps = batch.buffers(bufs)
     _lib.tdm_attention(qkv.data_ptr(), T, qkv.shape[1], nh, nkv, hd, cos.data_ptr(),
                        sin.data_ptr(), cos.shape[-1], batch.nseg, batch.seg[window].data_ptr(),
                        ptrs, caps, batch.masks[window], scale, out.data_ptr(),
@@ -273,8 +277,7 @@ class Layer:
                  scratch: torch.Tensor) -> None:
         """xo = the layer applied to x [T, hidden] (both contiguous fp32; scratch at least
         scratch_floats(T)); appends each segment's K/V to bufs[s] as `attention` does."""
-        ptrs = (ctypes.c_void_p * batch.nseg)(*[b.data_ptr() for b in bufs])
-        caps = (ctypes.c_long * batch.nseg)(*[b.shape[2] for b in bufs])
+        ptrs, caps = batch.buffers(bufs)
         _lib.tdm_layer(x.data_ptr(), xo.data_ptr(), x.shape[0], self.ptrs, self.dims, self.eps,
                        cos.data_ptr(), sin.data_ptr(), cos.shape[-1], batch.nseg,
                        batch.seg[window].data_ptr(), ptrs, caps, batch.masks[window], self.scale,

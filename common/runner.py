@@ -247,6 +247,8 @@ class LayerRangeRunner:
         self._kernel_swiglu = self._kernels and swiglu
         self._kernel_attention = (self._kernels and self.attn_softcap is None
                                   and self.head_dim % 8 == 0)
+        # the kernels take the scale itself (SDPA's default where the family sets none)
+        self._kernel_scale = self.attn_scale if self.attn_scale is not None else self.head_dim ** -0.5
         # RMSNorm as one fused op where it gives transformers' bits (checked at load)
         self._fused_norm = False
 
@@ -324,13 +326,12 @@ class LayerRangeRunner:
         else:
             self.norm_w = self.lm_head = None
         handles.clear()
-        self._fused_norm = self._fused_norm_exact()
+        self._fused_norm = not self._kernels and self._fused_norm_exact()
         # the pre-norm SwiGLU families run each layer as one kernel call (tdm_layer)
         self._kernel_layers = None
         if self._kernel_attention and self._kernel_swiglu and not fam.sandwich_norms:
-            scale = self.attn_scale if self.attn_scale is not None else self.head_dim ** -0.5
             self._kernel_layers = [kernels.Layer(w, self.hidden_size, self.n_heads, self.kv_heads,
-                                                 self.head_dim, self.eps, scale)
+                                                 self.head_dim, self.eps, self._kernel_scale)
                                    for w in self.layers]
 
     def _choose_gemm(self, gemm: str) -> str:
@@ -340,21 +341,25 @@ class LayerRangeRunner:
         serves); "auto" takes the first of them that this device and dtype allow."""
         if gemm not in ("auto", "panel", "onednn", "torch"):
             raise ValueError(f"gemm must be auto, panel, onednn or torch, got {gemm!r}")
-        cpu = self.device.type == "cpu"
-        why_not = {
-            "panel": ("not on the CPU" if not cpu else "needs float32" if self.dtype != torch.float32
-                      else kernels.unavailable()),
-            "onednn": ("not on the CPU" if not cpu else "this torch has no oneDNN"
-                       if not torch.backends.mkldnn.is_available() else None
-                       if self.dtype == torch.float32 or (self.dtype == torch.bfloat16 and
-                                                          torch.ops.mkldnn._is_mkldnn_bf16_supported())
-                       else f"no oneDNN kernels for {self.dtype} on this CPU"),
-            "torch": None,
-        }
+        def why_not(kind: str) -> str | None:   # asked lazily: "panel" may build the kernels
+            if kind == "torch":
+                return None
+            if self.device.type != "cpu":
+                return "not on the CPU"
+            if kind == "panel":
+                return "needs float32" if self.dtype != torch.float32 else kernels.unavailable()
+            if not torch.backends.mkldnn.is_available():
+                return "this torch has no oneDNN"
+            if self.dtype == torch.float32 or (self.dtype == torch.bfloat16 and
+                                               torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+                return None
+            return f"no oneDNN kernels for {self.dtype} on this CPU"
+
         if gemm == "auto":
-            return next(k for k, why in why_not.items() if why is None)
-        if why_not[gemm] is not None:
-            raise ValueError(f"gemm={gemm!r} is unavailable here: {why_not[gemm]}")
+            return next(k for k in ("panel", "onednn", "torch") if why_not(k) is None)
+        why = why_not(gemm)
+        if why is not None:
+            raise ValueError(f"gemm={gemm!r} is unavailable here: {why}")
         return gemm
 
     def _fused_norm_exact(self) -> bool:
@@ -556,6 +561,25 @@ class LayerRangeRunner:
             visible &= keys > pos[:, None] - window
         return first, visible
 
+    def _torch_attend(self, layer: int, x: torch.Tensor, rope: dict, segments, starts, sizes,
+                      offsets, masks) -> torch.Tensor:
+        """`attention_inputs`, each segment's K/V written to its cache and `attend` per segment,
+        in torch's ops: attention output [T, heads * hd]."""
+        nh, hd = self.n_heads, self.head_dim
+        q, k, v = self.attention_inputs(layer, x, rope)
+        q = q.transpose(0, 1)[None]                        # [1, nh, T, hd]
+        k, v = k.transpose(0, 1), v.transpose(0, 1)        # [nkv, T, hd]
+        outs = []
+        for s, p, n, o, (first, mask) in zip(segments, starts, sizes, offsets,
+                                             masks[self.plans[layer].window]):
+            buf = s.kv.bufs[layer - s.kv.lo]
+            buf[0, :, p: p + n] = k[:, o: o + n]
+            buf[1, :, p: p + n] = v[:, o: o + n]
+            outs.append(self.attend(q[:, :, o: o + n], buf[0:1, :, first: p + n],
+                                    buf[1:2, :, first: p + n], mask))
+        att = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+        return att[0].transpose(0, 1).reshape(x.shape[0], nh * hd)
+
     def _kernel_attend(self, layer: int, x: torch.Tensor, rope: dict, batch, segments) -> torch.Tensor:
         """`attention_inputs` + the per-segment K/V writes and `attend` of `forward`, with RoPE,
         the writes and attention in one kernel call for every segment (common/cpu_kernels.c)."""
@@ -570,7 +594,7 @@ class LayerRangeRunner:
         return kernels.attention(
             qkv, nh, nkv, hd, cos.contiguous(), sin.contiguous(), batch,
             self.plans[layer].window, [s.kv.bufs[layer - s.kv.lo] for s in segments],
-            self.attn_scale if self.attn_scale is not None else hd ** -0.5)
+            self._kernel_scale)
 
     def _kernel_forward(self, x: torch.Tensor, rope: dict, batch, segments, a: int,
                         b: int) -> torch.Tensor:
@@ -601,7 +625,6 @@ class LayerRangeRunner:
             x = self._embed(torch.cat([s.x for s in segments]))
         else:
             x = torch.cat([s.x.to(device=dev, dtype=self.dtype) for s in segments])
-        T = x.shape[0]
         positions = torch.cat([torch.arange(p, p + n) if s.positions is None else p + s.positions
                                for s, p, n in zip(segments, starts, sizes)])
         rope = self.rope_rows(positions)
@@ -620,30 +643,16 @@ class LayerRangeRunner:
         for s, p, n in zip(segments, starts, sizes):
             for i in range(a - s.kv.lo, b - s.kv.lo):
                 s.kv._reserve(i, p + n)
-        nh, hd = self.n_heads, self.head_dim
         batch = (kernels.AttentionBatch(offsets, sizes, starts, masks)
                  if self._kernel_attention else None)
         if self._kernel_layers is not None:
             x = self._kernel_forward(x, rope, batch, segments, a, b)
-        for layer in range(a, b) if self._kernel_layers is None else ():
-            if batch is not None:
-                att = self._kernel_attend(layer, x, rope, batch, segments)
+        else:
+            for layer in range(a, b):
+                att = (self._kernel_attend(layer, x, rope, batch, segments) if batch is not None
+                       else self._torch_attend(layer, x, rope, segments, starts, sizes, offsets,
+                                               masks))
                 x = self.layer_output(layer, x, att)
-                continue
-            q, k, v = self.attention_inputs(layer, x, rope)
-            q = q.transpose(0, 1)[None]                        # [1, nh, T, hd]
-            k, v = k.transpose(0, 1), v.transpose(0, 1)        # [nkv, T, hd]
-            outs = []
-            for s, p, n, o, (first, mask) in zip(segments, starts, sizes, offsets,
-                                                 masks[self.plans[layer].window]):
-                buf = s.kv.bufs[layer - s.kv.lo]
-                buf[0, :, p: p + n] = k[:, o: o + n]
-                buf[1, :, p: p + n] = v[:, o: o + n]
-                outs.append(self.attend(q[:, :, o: o + n], buf[0:1, :, first: p + n],
-                                        buf[1:2, :, first: p + n], mask))
-            att = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-            att = att[0].transpose(0, 1).reshape(T, nh * hd)
-            x = self.layer_output(layer, x, att)
         for s, p, n in zip(segments, starts, sizes):
             s.kv.lens[a - s.kv.lo: b - s.kv.lo] = [p + n] * (b - a)
 

@@ -14,7 +14,7 @@ import torch
 from transformers import DynamicCache
 
 from bench import runner_limits
-from common import cpu_kernels as gemm
+from common import cpu_kernels as kernels
 from common.runner import LayerRangeRunner, Segment, rms_norm
 
 LOGIT_TOL = 3e-4   # as tests/unit/test_runner.py: the runner's sums vs transformers' MKL sums
@@ -28,7 +28,7 @@ def runners(model_paths):
 def test_the_kernel_builds_on_this_machine():
     """CI's machines are x86-64 with AVX2 and a C compiler: the kernel must be there, so the
     runner's default is the panel path (a silent fallback would hide a broken build)."""
-    assert gemm.unavailable() is None
+    assert kernels.unavailable() is None
     assert LayerRangeRunner.__init__.__defaults__[-1] == "auto"
 
 
@@ -37,39 +37,39 @@ def test_kernel_products_match_float64(n, k):
     g = torch.Generator().manual_seed(n * 1000 + k)
     w = torch.randn(n, k, generator=g)
     b = torch.randn(n, generator=g)
-    wp = gemm.pack(w)
+    wp = kernels.pack(w)
     assert wp.out_features == n and wp.in_features == k
     for m in (1, 2, 3, 5, 6, 7, 8, 13, 64):
         x = torch.randn(m, k, generator=g)
         want = (x.double() @ w.double().T + b.double())
-        got = gemm.linear(x, wp, b)
+        got = kernels.linear(x, wp, b)
         assert got.shape == (m, n) and got.dtype == torch.float32
         # a float32 sum of k products: error grows like sqrt(k) * eps * |terms|
         tol = 1e-5 * (k ** 0.5) * (x.abs().max() * w.abs().max()).item() + 1e-6
         assert (got.double() - want).abs().max().item() < tol, (m, n, k)
-        assert ((gemm.linear(x, wp) + b).double() - want).abs().max().item() < tol
+        assert ((kernels.linear(x, wp) + b).double() - want).abs().max().item() < tol
 
 
 def test_a_row_gives_the_same_bits_in_any_batch():
     """Each output is one FMA chain over k whatever the tile: row i of an M-row product equals
     the same row alone, bit for bit, for every M (the batch-independence the runner relies on)."""
     g = torch.Generator().manual_seed(3)
-    w = gemm.pack(torch.randn(100, 576, generator=g))
+    w = kernels.pack(torch.randn(100, 576, generator=g))
     x = torch.randn(40, 576, generator=g)
-    alone = torch.cat([gemm.linear(x[i: i + 1], w) for i in range(40)])
+    alone = torch.cat([kernels.linear(x[i: i + 1], w) for i in range(40)])
     for m in range(1, 41):
-        assert torch.equal(gemm.linear(x[:m], w), alone[:m]), m
-    assert torch.equal(gemm.linear(x[7:19], w), alone[7:19])
+        assert torch.equal(kernels.linear(x[:m], w), alone[:m]), m
+    assert torch.equal(kernels.linear(x[7:19], w), alone[7:19])
 
 
 def test_the_kernel_refuses_bad_inputs():
-    w = gemm.pack(torch.randn(8, 4))
+    w = kernels.pack(torch.randn(8, 4))
     with pytest.raises(ValueError, match="fp32"):
-        gemm.linear(torch.randn(2, 4, dtype=torch.float64), w)
+        kernels.linear(torch.randn(2, 4, dtype=torch.float64), w)
     with pytest.raises(ValueError, match=r"\[M, 4\]"):
-        gemm.linear(torch.randn(2, 5), w)
+        kernels.linear(torch.randn(2, 5), w)
     with pytest.raises(ValueError, match="2-D fp32 CPU"):
-        gemm.pack(torch.randn(8, 4).half())
+        kernels.pack(torch.randn(8, 4).half())
 
 
 def test_the_kernel_shares_torchs_openmp_runtime():
@@ -156,12 +156,12 @@ def test_kernel_norm_and_swiglu_track_torch():
     x = torch.randn(7, 576, generator=g) * 20
     x[3, 9] = 3e3   # a "massive activation" channel
     w = torch.randn(576, generator=g)
-    got = gemm.rms_norm(x, w, 1e-5)
+    got = kernels.rms_norm(x, w, 1e-5)
     want = rms_norm(x.double(), w.double(), 1e-5)
     assert ((got.double() - want).abs() / want.abs().clamp_min(1e-3)).max().item() < 1e-5
     gu = torch.randn(4, 2 * 1536, generator=g) * 4
     want = torch.nn.functional.silu(gu[:, :1536].double()) * gu[:, 1536:].double()
-    assert (gemm.silu_mul(gu).double() - want).abs().max().item() < 1e-5
+    assert (kernels.silu_mul(gu).double() - want).abs().max().item() < 1e-5
 
 
 def test_read_bandwidth_case_measures_a_bandwidth():
