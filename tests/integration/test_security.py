@@ -345,8 +345,10 @@ def test_per_client_limits(env, tokenizer):
         assert e.value.code == "too_large"
         stream = a.generate(ids, max_tokens=40, stop_at_eos=False)
         next(stream)                                                # a has one in flight
+        # no retries: the client's backoff (0.5 s, then 1 s) can outlast a's 40 tokens, and
+        # the retry is then served
         with pytest.raises(Busy) as e2:
-            a.complete(ids, max_tokens=4, stop_at_eos=False)
+            a.complete(ids, max_tokens=4, stop_at_eos=False, max_retries=0)
         assert "per-client limit" in e2.value.message
         r = b.complete(ids, max_tokens=4, stop_at_eos=False)        # another client: served
         assert len(r.token_ids) == 4
