@@ -28,6 +28,9 @@ The limits, measured in the same interleaved reps (bench/runner_limits.py, issue
   read          the machine's read bandwidth (the fastest of torch.mv, a sum and the panel
                 kernel over an fp32 buffer the size of the model's weights); floor = the bytes
                 a decode step streams / that bandwidth
+  FMA peak      the machine's fp32 FMA throughput (register-only FMA chains on every thread);
+                the 8-row floor (batch x8, verify k=8) and the tree and chain floors are the
+                larger of bandwidth floor and products' FLOP / peak: nothing is faster here
   llama.cpp     the same weights as an ALL_F32 GGUF (llama.cpp's quantize of the source GGUF,
                 made once next to the target), `steps` tokens after a `context`-token prompt,
                 and a 512-token prompt evaluation, on the same threads
@@ -135,14 +138,19 @@ def source_gguf(target: Path) -> str | None:
 TREE_PARENTS = [x for d in range(8) for x in [d * 4 - 4 if d else -1] * 4]   # 8 deep, 4 wide
 
 
-def tree_vs_chain(runner, ctx: int, steps: int, reps: int) -> tuple[list[dict], dict]:
+def tree_vs_chain(runner, ctx: int, steps: int, reps: int, limits: dict | None = None,
+                  step_bytes: int = 0) -> tuple[list[dict], dict]:
     """Rows and samples of "tree 32 vs chain 8" (#14's runner goal): the verifier's forward for
     a 32-node token tree (depth 8: a main path and 3 siblings at each depth; the root's token +
     32 nodes with tree attention, logits for all, then the accepted path kept by
     SessionKV.move_rows) vs for an 8-token chain (the root's token + 8, then truncate), time
     ratio per rep (goal <= 1.3x). A 32-token chain (the root's token + 32) is the control: the
     same rows without the tree mask, so "tree 32 vs chain 32" is what tree attention itself
-    costs and the rest is the cost of the rows. The cases alternate within each rep."""
+    costs and the rest is the cost of the rows. The cases alternate within each rep.
+
+    `limits` ("read_bw", "fma_peak" closures, bench/runner_limits.py), sampled in the same reps,
+    add each case's roofline floor and "tree 32 vs chain 8, at their floors": the ratio no
+    implementation can beat on this machine while its chain runs at the chain's floor."""
     from common import tree
 
     L = runner.num_layers
@@ -172,7 +180,7 @@ def tree_vs_chain(runner, ctx: int, steps: int, reps: int) -> tuple[list[dict], 
                 kv.truncate(ctx)
         return _ms(run) / steps
 
-    cases = {"chain8": chain(8), "tree32": tree32, "chain32": chain(32)}
+    cases = {"chain8": chain(8), "tree32": tree32, "chain32": chain(32), **(limits or {})}
     for f in cases.values():   # warm-up
         f()
     samples: dict[str, list[float]] = {k: [] for k in cases}
@@ -191,6 +199,23 @@ def tree_vs_chain(runner, ctx: int, steps: int, reps: int) -> tuple[list[dict], 
     x = summary([t / c for c, t in zip(samples["chain32"], samples["tree32"])])
     rows.append({"case": "verify tree 32 vs chain 32", "median": x["median"], "min": x["min"],
                  "max": x["max"], "unit": "ratio", "goal": ""})
+    if "read_bw" in samples and "fma_peak" in samples:
+        def floor(n):   # the root's token + n nodes, logits for all
+            flops = runner_limits.product_flops(runner, n + 1, n + 1)
+            return [max(step_bytes / bw, flops / peak) * 1e3
+                    for bw, peak in zip(samples["read_bw"], samples["fma_peak"])]
+        samples["floor_chain8"], samples["floor_tree32"] = floor(8), floor(32)
+        for name, xs, unit in (
+                ("floor, 9 rows (chain 8)", samples["floor_chain8"], "ms/call"),
+                ("floor, 33 rows (tree 32)", samples["floor_tree32"], "ms/call"),
+                ("verify tree 32 / its floor",
+                 [t / f for t, f in zip(samples["tree32"], samples["floor_tree32"])], "ratio"),
+                ("tree 32 vs chain 8, at their floors",
+                 [t / c for c, t in zip(samples["floor_chain8"], samples["floor_tree32"])],
+                 "ratio")):
+            x = summary(xs)
+            rows.append({"case": name, "median": x["median"], "min": x["min"], "max": x["max"],
+                         "unit": unit, "goal": ""})
     return rows, samples
 
 
@@ -309,6 +334,9 @@ def main(argv: list[str] | None = None) -> int:
             cases.update(runner_limits.llama_cases(f32, threads, args.context, args.steps,
                                                    PREFILL_TOKENS, runner.vocab_size))
         cases["read_bw"] = runner_limits.read_bandwidth_case(step_bytes)
+        peak = runner_limits.fma_peak_case(threads)
+        if peak is not None:
+            cases["fma_peak"] = peak
     load0 = os.getloadavg()[0]
     for f in cases.values():  # warm-up
         f()
@@ -326,6 +354,12 @@ def main(argv: list[str] | None = None) -> int:
 
     if "read_bw" in samples:
         samples["floor"] = [step_bytes / bw * 1e3 for bw in samples["read_bw"]]  # ms per token
+    if "fma_peak" in samples:   # the roofline: stream the weights and do the FLOP (ms)
+        def floor(rows, logit_rows):
+            flops = runner_limits.product_flops(runner, rows, logit_rows)
+            return [max(step_bytes / bw, flops / peak) * 1e3
+                    for bw, peak in zip(samples["read_bw"], samples["fma_peak"])]
+        samples["floor1"], samples["floor8"] = floor(1, 1), floor(8, 8)
     ratios = {
         "decode runner/transformers": (per_rep(lambda h, r: r / h, "hf_decode", "runner_decode"),
                                        "<= 1.05"),
@@ -339,6 +373,10 @@ def main(argv: list[str] | None = None) -> int:
                                     ">= 6"),
         "verify k=8 time vs decode 1": (per_rep(lambda r, v: v / r, "runner_decode", "verify8"),
                                         "<= 1.2"),
+        "batch x8 / 8-row floor": (per_rep(lambda b, f: b / f, "batch8", "floor8"), ""),
+        "verify k=8 / 8-row floor": (per_rep(lambda v, f: v / f, "verify8", "floor8"), ""),
+        "verify k=8 vs decode 1, at their floors": (
+            per_rep(lambda f8, f1: f8 / f1, "floor8", "floor1"), ""),
         f"prefill {PREFILL_TOKENS} runner/llama.cpp": (
             per_rep(lambda r, c: r / c, "runner_prefill", "llama_prompt"), "<= 1.2"),
     }
@@ -349,13 +387,15 @@ def main(argv: list[str] | None = None) -> int:
                             ("llama.cpp F32 decode", "llama_decode", "ms/token"),
                             ("bandwidth floor", "floor", "ms/token"),
                             ("read bandwidth (best reader)", "read_bw", "GB/s"),
+                            ("fp32 FMA peak", "fma_peak", "GFLOP/s"),
+                            ("8-row floor (bandwidth or FMA)", "floor8", "ms/step (8 rows)"),
                             ("runner batch x8 decode", "batch8", "ms/step (8 tokens)"),
                             ("runner verify k=8", "verify8", "ms/call (8 tokens)"),
                             (f"runner prefill {PREFILL_TOKENS}", "runner_prefill", "ms"),
                             (f"llama.cpp F32 prompt {PREFILL_TOKENS}", "llama_prompt", "ms")):
         if key not in samples:
             continue
-        xs = [x / 1e9 for x in samples[key]] if key == "read_bw" else samples[key]
+        xs = [x / 1e9 for x in samples[key]] if key in ("read_bw", "fma_peak") else samples[key]
         s = summary(xs)
         rows.append({"case": name, "median": s["median"], "min": s["min"], "max": s["max"],
                      "unit": unit, "goal": ""})
@@ -382,8 +422,9 @@ def main(argv: list[str] | None = None) -> int:
         gemm = gemm_table(max(args.reps, 5))
         print(f"\nLM head 49152x576, median ms over {max(args.reps, 5)} reps, {threads} threads")
         print(table(gemm, [(k, k) for k in gemm[0]]))
+    tree_limits = {k: cases[k] for k in ("read_bw", "fma_peak") if k in cases}
     tree_rows, samples["tree_vs_chain"] = tree_vs_chain(runner, args.context, args.steps,
-                                                        args.reps)
+                                                        args.reps, tree_limits, step_bytes)
     print(f"\ntoken tree verify (#14): {args.steps} calls/rep, {args.reps} reps")
     print(table(tree_rows, [("case", "case"), ("median", "median"), ("min", "min"),
                             ("max", "max"), ("unit", "unit"), ("goal", "goal")]))

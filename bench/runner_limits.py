@@ -5,6 +5,10 @@
   threads; the bandwidth floor of a decode step is then the bytes a step streams (every layer
   matrix, the norms and the LM head) over that bandwidth (a GEMV alone read 12-15 GB/s on the
   AMD EPYC where a sum read 35, and llama.cpp's products beat that "floor");
+* the machine's fp32 compute: the FMA throughput of 12 register-only FMA chains a thread
+  (common/cpu_kernels.c's tdm_fma_peak), no product can do fp32 multiply-adds faster; the
+  compute floor of a forward over M rows is its products' FLOP over that, and its floor is the
+  larger of the two (the roofline: a forward must both stream the weights and do the FLOP);
 * llama.cpp on the same weights: the bundled Q4_1 GGUF converted to ALL_F32 by llama.cpp's own
   quantize API (the runner's fp32 target is the same GGUF dequantised by transformers, so both
   read the same values), timed by llama-cpp-python for decode and for prompt evaluation.
@@ -34,6 +38,39 @@ def weight_bytes(runner) -> int:
 
     return (sum(nbytes(t) for w in runner.layers for t in w.values())
             + nbytes(runner.norm_w) + nbytes(runner.lm_head))
+
+
+def product_flops(runner, rows: int, logit_rows: int) -> int:
+    """FLOP of the matrix products of a forward over `rows` tokens through every layer, with
+    the LM head for `logit_rows` of them (2 per multiply-add; attention's are left out, so the
+    compute floor stays a floor)."""
+    def macs(t) -> int:
+        if isinstance(t, PanelWeight):
+            return t.out_features * t.in_features
+        return t.numel() if isinstance(t, torch.Tensor) and t.dim() == 2 else 0
+
+    layer = sum(macs(t) for w in runner.layers for t in w.values())
+    return 2 * (rows * layer + logit_rows * macs(runner.lm_head))
+
+
+def fma_peak_case(threads: int, seconds: float = 0.05):
+    """Closure returning one sample of the machine's fp32 FMA throughput in FLOP/s on `threads`
+    (about `seconds` a sample), or None where the CPU kernels are unavailable."""
+    from common import cpu_kernels
+
+    if cpu_kernels.unavailable() is not None:
+        return None
+    iters = 1_000_000
+    t = time.perf_counter()
+    cpu_kernels.fma_flops(iters, threads)
+    iters = max(iters, int(iters * seconds / max(time.perf_counter() - t, 1e-6)))
+
+    def sample() -> float:
+        t = time.perf_counter()
+        flops = cpu_kernels.fma_flops(iters, threads)
+        return flops / (time.perf_counter() - t)
+
+    return sample
 
 
 def read_bandwidth_case(nbytes: int, width: int = 1024):

@@ -33,6 +33,11 @@ void tdm_pack(const float* W, long N, long K, float* Wp) {
             }
 }
 
+/* k steps (64-byte lines of a panel) ahead that tiles of 3 or more rows prefetch: an 8-row
+ * decode step 12 % faster, 1-2 rows (memory-bound, the hardware prefetcher keeps up) left
+ * alone, where prefetching cost 5-10 % (`tandem bench runner --gemm`, AMD EPYC). */
+#define PREFETCH_K 16
+
 /* Rows [m0, m0 + MB) of x against panels [p0, p0 + NP): MB * NP * 2 accumulators (at most 12
  * of the 16 ymm registers, the rest hold W and the broadcast). */
 #define KERNEL(MB, NP)                                                                          \
@@ -46,6 +51,9 @@ static void k_##MB##_##NP(const float* restrict x, long K, const float* restrict
     const float* xr = x + m0 * K;                                                               \
     for (long k = 0; k < K; k++) {                                                              \
         __m256 wv[NP][2];                                                                       \
+        if (MB >= 3) /* compute-heavy tiles: the loads are too far apart for the hardware */    \
+            _Pragma("GCC unroll 8") for (int q = 0; q < NP; q++)   /* prefetcher alone */       \
+                _mm_prefetch((const char*)(w + (q * K + k + PREFETCH_K) * PW), _MM_HINT_T0);    \
         _Pragma("GCC unroll 8") for (int q = 0; q < NP; q++) {                                  \
             wv[q][0] = _mm256_loadu_ps(w + (q * K + k) * PW);                                   \
             wv[q][1] = _mm256_loadu_ps(w + (q * K + k) * PW + 8);                               \
@@ -99,7 +107,9 @@ static void block(const float* x, long K, const float* Wp, long pa, long pb, lon
 }
 
 #define MB_MAX 6         /* rows per tile */
-#define PANEL_CHUNK 4    /* panels a thread keeps in L1/L2 while every 6-row block passes */
+#define PANEL_CHUNK 3    /* panels a thread keeps in L2 while every 6-row block passes (3 x
+                          * 1536 k x 64 B = 295 KB for the widest SmolLM2 product; 3 beat 4 and
+                          * 6 by 2-6 % on 7-16 rows) */
 
 /* `threads` is the caller's (torch's) thread count: the OpenMP runtime is torch's own
  * (common/cpu_kernels.py loads this library after torch), so this shares its thread pool. */
@@ -353,4 +363,28 @@ void tdm_layer(const float* x, float* xo, long T, const float* const* w, const l
     tdm_silu_mul(gu, T, inter, m, threads);
     tdm_linear(m, T, inter, w[LW_DOWN], H, w[LW_DOWN_B], a, threads);
     for (long i = 0; i < T * H; i++) xo[i] += a[i];
+}
+
+/* The machine's fp32 FMA throughput, for the bench's compute floor (bench/runner_limits.py):
+ * each thread runs 12 independent FMA chains on registers (enough to cover the FMA latency on
+ * both pipes) `iters` times; 12 * 8 * 2 * iters FLOP a thread. Returns a value that depends on
+ * every chain, so the compiler keeps them all. */
+double tdm_fma_peak(long iters, int threads) {
+    double total = 0;
+    #pragma omp parallel num_threads(threads) reduction(+ : total)
+    {
+        __m256 a[12];
+        const __m256 m = _mm256_set1_ps(0.999999f), c = _mm256_set1_ps(1e-7f);
+        for (int i = 0; i < 12; i++) a[i] = _mm256_set1_ps((float)(i + omp_get_thread_num()));
+        for (long it = 0; it < iters; it++) {
+            _Pragma("GCC unroll 12") for (int i = 0; i < 12; i++)
+                a[i] = _mm256_fmadd_ps(a[i], m, c);
+        }
+        float o[8];
+        __m256 s = a[0];
+        for (int i = 1; i < 12; i++) s = _mm256_add_ps(s, a[i]);
+        _mm256_storeu_ps(o, s);
+        for (int i = 0; i < 8; i++) total += o[i];
+    }
+    return total;
 }

@@ -123,6 +123,8 @@ def load() -> ctypes.CDLL | None:
                                    lng, vp, vp, vp, vp, ctypes.c_float, vp, ctypes.c_int]
     _lib.tdm_layer.argtypes = [vp, vp, lng, vp, vp, ctypes.c_float, vp, vp, lng, lng, vp, vp, vp,
                                vp, ctypes.c_float, vp, ctypes.c_int]
+    _lib.tdm_fma_peak.argtypes = [lng, ctypes.c_int]
+    _lib.tdm_fma_peak.restype = ctypes.c_double
     for f in (_lib.tdm_pack, _lib.tdm_linear, _lib.tdm_rms_norm, _lib.tdm_add_rms_norm,
               _lib.tdm_silu_mul, _lib.tdm_attention, _lib.tdm_layer):
         f.restype = None
@@ -282,6 +284,13 @@ class Layer:
                        cos.data_ptr(), sin.data_ptr(), cos.shape[-1], batch.nseg,
                        batch.seg[window].data_ptr(), ptrs, caps, batch.masks[window], self.scale,
                        scratch.data_ptr(), torch.get_num_threads())
+
+
+def fma_flops(iters: int, threads: int) -> int:
+    """Run `tdm_fma_peak` (12 FMA chains a thread on registers) and return the FLOP it did;
+    FLOP over the call's wall time is the machine's fp32 FMA throughput on `threads`."""
+    _lib.tdm_fma_peak(iters, threads)
+    return 12 * 8 * 2 * iters * threads
 
 
 if __name__ == "__main__":   # prebuild (package installs, images): python -m common.cpu_kernels
