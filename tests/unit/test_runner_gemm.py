@@ -169,6 +169,27 @@ def test_read_bandwidth_case_measures_a_bandwidth():
     assert 1e8 < sample() < 1e13   # bytes/s: a sample, not a unit mix-up
 
 
+def test_product_flops_count_the_models_parameters(runners, model_paths):
+    """The compute floor's FLOP, against the parameter count transformers' own model gives:
+    2 FLOP per weight per row through the layers' projections, and per logit row through the LM
+    head (tied to the embedding in SmolLM2: counted once as a parameter, read per logit row)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model_paths.target), dtype=torch.float32)
+    proj = sum(p.numel() for n, p in hf.model.layers.named_parameters() if p.dim() == 2)
+    head = hf.lm_head.weight.numel()
+    for kind in ("panel", "onednn"):
+        r = runners[kind]
+        assert runner_limits.product_flops(r, 1, 1) == 2 * (proj + head)
+        assert runner_limits.product_flops(r, 8, 1) == 2 * (8 * proj + head)
+        assert runner_limits.product_flops(r, 9, 9) == 2 * 9 * (proj + head)
+
+
+def test_fma_peak_case_measures_flops():
+    sample = runner_limits.fma_peak_case(torch.get_num_threads(), seconds=0.01)
+    assert 1e8 < sample() < 1e13   # FLOP/s: a sample, not a unit mix-up
+
+
 def test_llama_anchor_on_an_f32_conversion(model_paths, tmp_path):
     """The anchor path end to end on the bundled drafter (small, fast): ALL_F32 conversion made
     once, then decode and prompt timings from llama.cpp."""
