@@ -55,6 +55,12 @@ from typing import Callable
 
 import numpy as np
 from threadpoolctl import threadpool_limits
+# At import, not when the first tuner is made: importing skopt (scikit-learn, scipy) takes ~2 s
+# here, and the dispatcher makes a policy's tuner on its event loop when the first request of
+# that policy arrives; imported lazily, it froze every session for those seconds, long enough
+# for the dispatcher to declare its peers lost (tests/integration/test_spec_mode.py saw it).
+from skopt import Optimizer
+from skopt.space import Real
 
 __all__ = [
     "BOConfig", "Evaluation", "BOTuner", "SearchResult",
@@ -108,7 +114,6 @@ class SearchResult:
 
 
 def _space():
-    from skopt.space import Real
     return [Real(R_LOW, R_HIGH, prior="log-uniform", name="r1"),
             Real(R_LOW, R_HIGH, prior="uniform", name="r2")]
 
@@ -175,7 +180,6 @@ class BOTuner:
 
     # -- search --------------------------------------------------------------------------------
     def _start_search(self, first_points: list[tuple[float, float]]) -> None:
-        from skopt import Optimizer
         c = self.config
         self._opt = Optimizer(
             _space(), base_estimator="GP", acq_func="EI", acq_func_kwargs={"xi": c.xi},

@@ -253,15 +253,6 @@ def clusters(model_paths, tmp_path_factory):
         b.start_all()
         a.wait_ready(timeout=240)
         b.wait_ready(timeout=240)
-        # One short request per cluster before the tests. Right after start the first request
-        # sometimes met a ~2 s stall (both of the dispatcher's peers went silent at once, so with
-        # this module's 2 s peer timeout it declared them down and served the request with the
-        # target alone: exact, but with no drafts for the stats the tests read). Seen on the AMD
-        # EPYC VM with either of the runner's products; not yet explained.
-        from tandem import Client
-        for c in (a, b):
-            with Client(c.endpoint("dispatcher"), timeout_s=300) as warm:
-                warm.complete([1, 504, 3458], mode="spec", max_tokens=4, stop_at_eos=False)
         yield {"q4_0": a, "q4_1": b}
     finally:
         b.stop_all()

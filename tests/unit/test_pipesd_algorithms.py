@@ -348,6 +348,21 @@ def bowl(r1: float, r2: float) -> float:
     return TPT_STAR * (1 + 0.5 * u * u + 3.0 * v * v)
 
 
+def test_the_dispatcher_imports_the_optimizer_before_it_serves():
+    """skopt (with scikit-learn and scipy) is imported when the dispatcher's modules are, not
+    when the first spec request makes a policy's tuner on the event loop: that lazy import froze
+    the loop ~2 s, and the dispatcher declared its peers lost. A fresh process, since this one
+    has imported skopt already."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import services.dispatcher.service; "
+            "print('skopt' in sys.modules, 'sklearn.gaussian_process' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert out.stdout.split() == ["True", "True"], out
+
+
 def test_bo_tuner_converges_on_bowl():
     t0 = time.perf_counter()
     rng = np.random.default_rng(1)
