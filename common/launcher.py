@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -70,8 +71,38 @@ def run_dir() -> Path:
     return Path(os.environ.get("TANDEM_RUN_DIR", repo_root() / "run"))
 
 
+_handed_out: set[int] = set()
+_rng = random.Random()   # its own: a test seeding `random` must not make two processes agree
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999   # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A loopback port nothing is bound to, for a service to listen on a moment later. Taken
+    below the kernel's ephemeral range: bind(0) would hand out a port from that range, where the
+    kernel also puts the source port of every outgoing connection, so a health probe could hold
+    it by the time the service binds (CI saw a dispatcher fail `address already in use`). A port
+    is handed out once per process, so two services of a cluster never get the same one."""
+    lo, hi = _ephemeral_range()
+    first = max(1024, lo - 12000)
+    for _ in range(200):
+        port = _rng.randrange(first, lo) if lo > first else _rng.randrange(hi + 1, 65536)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    with socket.socket() as s:   # a crowded machine: whatever the kernel gives
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

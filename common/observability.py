@@ -22,7 +22,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -134,9 +133,8 @@ def tool(name: str) -> str:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from common.launcher import free_port as launcher_free_port   # one way to pick a port
+    return launcher_free_port()
 
 
 def _api(base: str, path: str, params: dict, timeout: float) -> dict:
