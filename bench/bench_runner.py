@@ -251,8 +251,9 @@ def gemm_table(reps: int) -> list[dict]:
 
 def step_products_table(runner, reps: int) -> list[dict]:
     """Every product of one decode step (each layer's q|k|v, o, gate|up, down and the LM head:
-    the bytes a step streams) by method, 1 and 8 rows, interleaved rep by rep: ms and the GB/s
-    of weights read. Random weights of the runner's shapes, one copy per layout."""
+    the bytes a step streams) by method, 1, 2, 4, 6 and 8 rows (6 is the panel kernel's widest
+    tile, 8 takes a second pass), interleaved rep by rep: ms and the GB/s of weights read.
+    Random weights of the runner's shapes, one copy per layout."""
     F = torch.nn.functional
     H, nh, nkv, hd = runner.hidden_size, runner.n_heads, runner.kv_heads, runner.head_dim
     inter = runner.config.intermediate_size
@@ -270,7 +271,7 @@ def step_products_table(runner, reps: int) -> list[dict]:
         layouts["panel kernel (common/cpu_kernels.py)"] = ([kernels.pack(w) for w in plain],
                                                            kernels.linear)
     rows = []
-    for m in (1, 8):
+    for m in (1, 2, 4, 6, 8):
         xs = {k: torch.randn(m, k, generator=gen) for k in {s[1] for s in shapes}}
         xin = [xs[s[1]] for s in shapes]
         cases = {name: (lambda ws=ws, f=f, xin=xin: [f(x, w) for x, w in zip(xin, ws)])
