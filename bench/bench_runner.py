@@ -201,9 +201,9 @@ def tree_vs_chain(runner, ctx: int, steps: int, reps: int, limits: dict | None =
                  "max": x["max"], "unit": "ratio", "goal": ""})
     if "read_bw" in samples and "fma_peak" in samples:
         def floor(n):   # the root's token + n nodes, logits for all
-            flops = runner_limits.product_flops(runner, n + 1, n + 1)
-            return [max(step_bytes / bw, flops / peak) * 1e3
-                    for bw, peak in zip(samples["read_bw"], samples["fma_peak"])]
+            return runner_limits.roofline_ms(step_bytes,
+                                             runner_limits.product_flops(runner, n + 1, n + 1),
+                                             samples["read_bw"], samples["fma_peak"])
         samples["floor_chain8"], samples["floor_tree32"] = floor(8), floor(32)
         for name, xs, unit in (
                 ("floor, 9 rows (chain 8)", samples["floor_chain8"], "ms/call"),
@@ -357,9 +357,9 @@ def main(argv: list[str] | None = None) -> int:
         samples["floor"] = [step_bytes / bw * 1e3 for bw in samples["read_bw"]]  # ms per token
     if "fma_peak" in samples:   # the roofline: stream the weights and do the FLOP (ms)
         def floor(rows, logit_rows):
-            flops = runner_limits.product_flops(runner, rows, logit_rows)
-            return [max(step_bytes / bw, flops / peak) * 1e3
-                    for bw, peak in zip(samples["read_bw"], samples["fma_peak"])]
+            return runner_limits.roofline_ms(step_bytes,
+                                             runner_limits.product_flops(runner, rows, logit_rows),
+                                             samples["read_bw"], samples["fma_peak"])
         samples["floor1"], samples["floor8"] = floor(1, 1), floor(8, 8)
     ratios = {
         "decode runner/transformers": (per_rep(lambda h, r: r / h, "hf_decode", "runner_decode"),

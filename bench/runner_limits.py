@@ -53,6 +53,13 @@ def product_flops(runner, rows: int, logit_rows: int) -> int:
     return 2 * (rows * layer + logit_rows * macs(runner.lm_head))
 
 
+def roofline_ms(step_bytes: int, flops: int, read_bw: list[float],
+                fma_peak: list[float]) -> list[float]:
+    """Per rep, the floor of a forward in ms: the larger of streaming `step_bytes` at that rep's
+    read bandwidth and doing `flops` at its FMA peak."""
+    return [max(step_bytes / bw, flops / peak) * 1e3 for bw, peak in zip(read_bw, fma_peak)]
+
+
 def fma_peak_case(threads: int, seconds: float = 0.05):
     """Closure returning one sample of the machine's fp32 FMA throughput in FLOP/s on `threads`
     (about `seconds` a sample), or None where the CPU kernels are unavailable."""

@@ -90,9 +90,9 @@ def free_port() -> int:
     it by the time the service binds (CI saw a dispatcher fail `address already in use`). A port
     is handed out once per process, so two services of a cluster never get the same one."""
     lo, hi = _ephemeral_range()
-    first = max(1024, lo - 12000)
-    for _ in range(200):
-        port = _rng.randrange(first, lo) if lo > first else _rng.randrange(hi + 1, 65536)
+    first, end = (max(1024, lo - 12000), lo) if lo > 1024 else (hi + 1, 65536)
+    for _ in range(200 if first < end else 0):
+        port = _rng.randrange(first, end)
         if port in _handed_out:
             continue
         with socket.socket() as s:

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import yaml
 
+from common.launcher import free_port
 from common.models import repo_root
 
 DASHBOARDS = repo_root() / "deploy" / "grafana" / "dashboards"
@@ -130,11 +131,6 @@ def tool(name: str) -> str:
     if not path:
         raise ToolMissing(f"{name} not installed (Debian: apt-get install prometheus)")
     return path
-
-
-def free_port() -> int:
-    from common.launcher import free_port as launcher_free_port   # one way to pick a port
-    return launcher_free_port()
 
 
 def _api(base: str, path: str, params: dict, timeout: float) -> dict:
