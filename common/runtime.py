@@ -346,8 +346,9 @@ class Service:
             wait = LOOP_BEAT_S if end is None else min(LOOP_BEAT_S, end - time.monotonic())
             if wait <= 0:
                 return
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(wakeup.wait(), wait)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(wait):
+                    await wakeup.wait()
         self.beat(loop)
 
     def not_ready_reason(self) -> str:
@@ -656,9 +657,12 @@ class Service:
     # --- HTTP: /metrics, /healthz, /readyz ----------------------------------------------------
     async def _http(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            line = await asyncio.wait_for(reader.readline(), 5)
-            while (await asyncio.wait_for(reader.readline(), 5)) not in (b"\r\n", b"\n", b""):
-                pass
+            async with asyncio.timeout(5):
+                line = await reader.readline()
+            while True:
+                async with asyncio.timeout(5):
+                    if await reader.readline() in (b"\r\n", b"\n", b""):
+                        break
             parts = line.decode("latin-1").split()
             path = parts[1].split("?")[0] if len(parts) >= 2 else ""
             if path == "/metrics":
@@ -694,8 +698,9 @@ class Service:
         if not self.draining:
             self.terminate()
         if self.drained is not None and self.draining:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.drained.wait(), self.cfg.drain_s + 5)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.cfg.drain_s + 5):
+                    await self.drained.wait()
         return "200 OK", "text/plain", b"drained\n"
 
 
@@ -734,9 +739,12 @@ class Channel:
 
     async def recv(self, timeout: float | None = None) -> tuple[Msg, list]:
         """Next reply; raises PeerError on an Error message, timeout or lost connection."""
+        # asyncio.timeout, never asyncio.wait_for: on Python 3.11 wait_for swallows a cancel
+        # that lands as its awaitable completes, and a cancelled request would run on
         try:
-            item = await asyncio.wait_for(self.queue.get(), timeout)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(timeout):
+                item = await self.queue.get()
+        except TimeoutError:
             raise PeerError(protocol.DEADLINE,
                             f"no reply from {self.peer.name} within {timeout:.1f} s") from None
         msg, frames = item
@@ -813,8 +821,9 @@ class Peer:
     async def wait_up(self, timeout: float) -> bool:
         self.start()
         assert self._up_event is not None
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._up_event.wait(), timeout)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                await self._up_event.wait()
         return self.up
 
     async def _send(self, msg: Msg, buffers: list | tuple = ()) -> None:

@@ -302,10 +302,10 @@ class _Conn:
             while (wait := proxy.partition_until - loop.time()) > 0:
                 await asyncio.sleep(wait)
             try:
-                await asyncio.wait_for(loop.create_connection(
-                    lambda: self.target, proxy.target_host, proxy.target_port),
-                    proxy.connect_timeout_s)
-            except (OSError, asyncio.TimeoutError):
+                async with asyncio.timeout(proxy.connect_timeout_s):
+                    await loop.create_connection(lambda: self.target, proxy.target_host,
+                                                 proxy.target_port)
+            except (OSError, TimeoutError):
                 return
             async with asyncio.TaskGroup() as group:
                 for pipe in (self.up, self.down):
@@ -607,8 +607,9 @@ class WanControl:
 
     async def _on_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         try:
-            status, body = await asyncio.wait_for(self._handle(reader), 10.0)
-        except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
+            async with asyncio.timeout(10.0):
+                status, body = await self._handle(reader)
+        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
                 ConnectionError):
             status, body = 400, {"error": "malformed or incomplete request"}
         data = json.dumps(body).encode()

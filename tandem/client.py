@@ -329,17 +329,21 @@ class AsyncClient:
             # or refuses our CURVE key, must not hold the caller for the whole deadline.
             wait = min(max(end - time.monotonic(), 0.001), self.connect_timeout_s)
             try:
-                await asyncio.wait_for(self.sock.send_multipart(protocol.encode(msg)), wait)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(wait):
+                    await self.sock.send_multipart(protocol.encode(msg))
+            except TimeoutError:
                 finished = True   # nothing was sent: nothing to cancel
                 raise Unavailable(protocol.UNAVAILABLE, f"no dispatcher reachable at "
                                   f"{self.endpoint} within {wait:.3g} s (not running, or not "
                                   f"accepting this client's CURVE key)") from None
             while True:
                 left = end - time.monotonic()
+                # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancel that
+                # lands as an event arrives, and an abandoned stream would never send Cancel
                 try:
-                    ev = await asyncio.wait_for(q.get(), max(left, 0.001))
-                except asyncio.TimeoutError:
+                    async with asyncio.timeout(max(left, 0.001)):
+                        ev = await q.get()
+                except TimeoutError:
                     raise DeadlineExceeded(protocol.DEADLINE,
                                            f"no answer from the dispatcher at {self.endpoint}") from None
                 if isinstance(ev, protocol.TokenEvent):
@@ -363,9 +367,9 @@ class AsyncClient:
             self._queues.pop(rid, None)
             if not finished:  # the caller stopped iterating early, or we timed out: cancel
                 try:
-                    await asyncio.wait_for(self.sock.send_multipart(
-                        protocol.encode(protocol.Cancel(rid=rid))), 1.0)
-                except (zmq.ZMQError, asyncio.TimeoutError):
+                    async with asyncio.timeout(1.0):
+                        await self.sock.send_multipart(protocol.encode(protocol.Cancel(rid=rid)))
+                except (zmq.ZMQError, TimeoutError):
                     pass
 
     async def complete(self, prompt: str | list[int] | None = None, **kw) -> Result:

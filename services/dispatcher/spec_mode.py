@@ -342,9 +342,10 @@ class SpecRun:
         self.last_v = time.monotonic()
         await self.act(actions)
         while not req.done:
-            try:
-                src, msg, frames = await asyncio.wait_for(self.inbox.get(), self.cfg.stall_s / 4)
-            except asyncio.TimeoutError:
+            try:   # asyncio.timeout: Python 3.11's wait_for can swallow the deadline's cancel
+                async with asyncio.timeout(self.cfg.stall_s / 4):
+                    src, msg, frames = await self.inbox.get()
+            except TimeoutError:
                 src = None
             try:
                 if self.edge_only and self.drafter_alive and any(p.up for p in d.verifiers):
@@ -362,10 +363,14 @@ class SpecRun:
 
     async def recover(self, err: PeerError) -> None:
         """Replay the verifier session until a replay sticks (each one counts against
-        max_recoveries: recovery.Recovery.fail gives up past it)."""
+        max_recoveries). What recovery.Recovery.fail raises (give up: deadline, too many
+        replays, an error no replay cures) is the request's answer and leaves this loop: caught
+        here, it was fed back into fail, which raised it again, with no await between — the
+        event loop spun and the whole dispatcher hung."""
         while True:
+            self.rec.fail(err)                     # raises what recovery cannot fix
             try:
-                await self.replay_verifier(err)
+                await self.replay_verifier()
                 return
             except PeerError as e:   # the replica chosen failed at once
                 err = e
@@ -376,11 +381,10 @@ class SpecRun:
         waiting = not self.edge_only and sm.rounds and sm.rounds[0].closed
         return bool(waiting) and time.monotonic() - self.last_v > self.cfg.stall_s
 
-    async def replay_verifier(self, err: PeerError) -> None:
+    async def replay_verifier(self) -> None:
         """Rebuild the verifier session on a live replica from the committed tokens; the drafts
         past them are verified again there (SpecRounds.verifier_lost)."""
         req, d = self.req, self.d
-        self.rec.fail(err)                         # re-raises what recovery cannot fix
         old_peer, old_sid = self.vpeer, self.vsid
         self.vpeer = await self.rec.connect()
         self.vsid = self.rec.sid

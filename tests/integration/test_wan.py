@@ -479,12 +479,12 @@ def test_s4_schedule_walks_10_to_80_every_20s():
 def test_schedule_steps_values_on_a_running_proxy():
     sched = s4_schedule(seed=3)
     extra = Schedule([Step(0.0, "both", {"latency_ms": 25.0}),
-                      Step(50.0, "down", {"jitter_ms": 2.0})])
+                      Step(60.0, "down", {"jitter_ms": 2.0})])
 
     async def main():
         async with WanProxy(HOST, 0, HOST, 9) as proxy:  # never dialled: no client connects
             proxy.play(sched, time_scale=0.01)  # 20 s steps become 0.2 s
-            proxy.play(extra, time_scale=0.01)
+            proxy.play(extra, time_scale=0.01)  # its 60 s step: 0.6 s, between two samples
             seen = []
             start = time.perf_counter()
             for k in range(4):

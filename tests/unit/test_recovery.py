@@ -83,3 +83,55 @@ def test_a_recoverable_failure_with_time_left_allows_a_replay():
     with pytest.raises(PeerError) as e:          # not recoverable: the request's answer
         rec.fail(PeerError(protocol.BAD_FIELD, "bad"))
     assert e.value.code == protocol.BAD_FIELD
+
+
+# --- spec mode's replay loop (SpecRun.recover) ------------------------------------------------
+def _spec_recover(req: FakeRequest, replay) -> PeerError:
+    """SpecRun.recover on its own: `replay` stands in for rebuilding the verifier session."""
+    from services.dispatcher.spec_mode import SpecRun
+    run = SimpleNamespace(rec=Recovery(req, [], "verifier"), replay_verifier=replay)
+    with pytest.raises(PeerError) as e:
+        asyncio.run(SpecRun.recover(run, PeerError(protocol.UNAVAILABLE, "verifier down")))
+    return e.value
+
+
+@pytest.mark.timeout(30)   # the bug this guards against spun the event loop forever
+def test_spec_replay_loop_ends_with_deadline_when_no_time_is_left():
+    calls = []
+
+    async def replay():
+        calls.append(1)
+
+    err = _spec_recover(FakeRequest(left=0.0), replay)
+    assert err.code == protocol.DEADLINE and calls == []
+
+
+@pytest.mark.timeout(30)
+def test_spec_replay_loop_gives_up_after_max_recoveries_replays_that_fail_at_once():
+    calls = []
+
+    async def replay():
+        calls.append(1)
+        raise PeerError(protocol.UNAVAILABLE, "the replica chosen is down too")
+
+    err = _spec_recover(FakeRequest(left=30.0), replay)
+    assert len(calls) == 8, calls                    # DispatcherConfig(max_recoveries=8)
+    assert err.code == protocol.UNAVAILABLE and "gave up after 8 replays" in err.message
+
+
+# --- a cancel is never lost ---------------------------------------------------------------------
+def test_a_cancel_that_lands_as_a_reply_arrives_still_cancels_the_waiter():
+    """Python 3.11's asyncio.wait_for returns the result when the cancel and the result land in
+    the same loop step; a cancelled request's recv then went on (the request was never
+    abandoned). Channel.recv must raise CancelledError."""
+    from common.runtime import Channel
+
+    async def main():
+        ch = Channel(SimpleNamespace(name="verifier"), 7)
+        waiter = asyncio.create_task(ch.recv(timeout=5.0))
+        await asyncio.sleep(0)          # recv is waiting on the queue
+        ch.queue.put_nowait((protocol.Pong(), []))
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+    asyncio.run(main())
