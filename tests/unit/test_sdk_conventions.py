@@ -27,6 +27,7 @@ class FakeDispatcher:
     def __init__(self, script: list[str]):
         self.script = list(script)
         self.requests: list[protocol.GenerateRequest] = []
+        self.cancels: list[int] = []   # rids of the Cancel messages received
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         port = self.sock.bind_to_random_port("tcp://127.0.0.1")
@@ -50,6 +51,8 @@ class FakeDispatcher:
         while True:
             ident, *frames = await self.sock.recv_multipart()
             msg = protocol.decode(frames, LIMITS)
+            if isinstance(msg, protocol.Cancel):
+                self.cancels.append(msg.rid)
             if not isinstance(msg, protocol.GenerateRequest):
                 continue
             self.requests.append(msg)
@@ -58,6 +61,9 @@ class FakeDispatcher:
             if what in ("busy", "unavailable"):
                 code = protocol.BUSY if what == "busy" else protocol.UNAVAILABLE
                 await self.send(ident, protocol.Error(rid=rid, code=code, message=what))
+            elif what == "token-then-hold":   # one token, then nothing until cancelled
+                await self.send(ident, protocol.TokenEvent(rid=rid, index=0, token_ids=[7],
+                                                           text="x"))
             elif what == "token-then-busy":
                 await self.send(ident, protocol.TokenEvent(rid=rid, index=0, token_ids=[7],
                                                            text="x"))
@@ -270,3 +276,30 @@ def test_tandem_version(capsys):
     assert e.value.code == 0
     assert capsys.readouterr().out.strip() == f"tandem {__version__}"
     assert __version__ != "0+unknown"   # the installed distribution's version (pyproject.toml)
+
+
+def test_a_stream_cancelled_as_a_token_arrives_ends_and_cancels_on_the_dispatcher():
+    """The API cancels a stream's task when its HTTP client disconnects. A cancel landing in the
+    loop step a token event arrives in was swallowed by Python 3.11's asyncio.wait_for: the
+    stream went on and the dispatcher kept generating for nobody (CI: test_api's disconnect)."""
+    async def main():
+        async with FakeDispatcher(["token-then-hold"]) as d, AsyncClient(d.endpoint) as c:
+            got = []
+
+            async def consume():
+                async for ch in c.generate("hi", max_tokens=50):
+                    got.append(ch.index)
+            task = asyncio.create_task(consume())
+            while not got:
+                await asyncio.sleep(0.01)
+            (rid, q), = c._queues.items()
+            q.put_nowait(protocol.TokenEvent(rid=rid, index=1, token_ids=[8], text="y"))
+            task.cancel()                    # in the same step as the token's arrival
+            done, _ = await asyncio.wait([task], timeout=2.0)
+            assert task in done and task.cancelled(), "the cancelled stream went on"
+            for _ in range(100):
+                if d.cancels:
+                    break
+                await asyncio.sleep(0.01)
+            assert d.cancels == [rid]
+    asyncio.run(main())
