@@ -125,8 +125,17 @@ void tdm_linear(const float* x, long M, long K, const float* Wp, long N, const f
         long step = M <= MB_MAX ? pb - pa : PANEL_CHUNK;
         for (long c = pa; c < pb; c += step) {
             long ce = c + step < pb ? c + step : pb;
-            for (long m0 = 0; m0 < M; m0 += MB_MAX)
-                block(x, K, Wp, c, ce, m0, M - m0 < MB_MAX ? M - m0 : MB_MAX, N, bias, y);
+            /* past 6 rows, the remainder tile passes first: its pass is memory-bound and
+             * streams the chunk from DRAM at the hardware prefetcher's pace, then the full
+             * tiles, compute-bound, run from L2. Full tiles first, their pass streamed the
+             * chunk more slowly (A/B of a decode step's products, 9 interleaved reps, AMD
+             * EPYC: 8 rows 38.1 -> 34.1 ms, 9 rows 40.7 -> 37.6, 7 rows -4 %, 10 and 12 rows
+             * unchanged). Every output is the same FMA chain either way. */
+            long rem = M > MB_MAX ? M % MB_MAX : 0, full = M - rem;
+            if (rem)
+                block(x, K, Wp, c, ce, full, rem, N, bias, y);
+            for (long m0 = 0; m0 < full; m0 += MB_MAX)
+                block(x, K, Wp, c, ce, m0, full - m0 < MB_MAX ? full - m0 : MB_MAX, N, bias, y);
         }
     }
 }
