@@ -128,9 +128,10 @@ void tdm_linear(const float* x, long M, long K, const float* Wp, long N, const f
             /* past 6 rows, the remainder tile passes first: its pass is memory-bound and
              * streams the chunk from DRAM at the hardware prefetcher's pace, then the full
              * tiles, compute-bound, run from L2. Full tiles first, their pass streamed the
-             * chunk more slowly (A/B of a decode step's products, 9 interleaved reps, AMD
-             * EPYC: 8 rows 38.1 -> 34.1 ms, 9 rows 40.7 -> 37.6, 7 rows -4 %, 10 and 12 rows
-             * unchanged). Every output is the same FMA chain either way. */
+             * chunk more slowly (A/B of a decode step's products, 9 interleaved reps, a 2-core
+             * Intel Xeon VM with 2 MB L2 a core: 8 rows 38.1 -> 34.1 ms, 9 rows 40.7 -> 37.6,
+             * 7 rows -4 %, 10 and 12 rows unchanged; not measured on the AMD EPYC the rest of
+             * this file was tuned on). Every output is the same FMA chain either way. */
             long rem = M > MB_MAX ? M % MB_MAX : 0, full = M - rem;
             if (rem)
                 block(x, K, Wp, c, ce, full, rem, N, bias, y);
