@@ -739,8 +739,6 @@ class Channel:
 
     async def recv(self, timeout: float | None = None) -> tuple[Msg, list]:
         """Next reply; raises PeerError on an Error message, timeout or lost connection."""
-        # asyncio.timeout, never asyncio.wait_for: on Python 3.11 wait_for swallows a cancel
-        # that lands as its awaitable completes, and a cancelled request would run on
         try:
             async with asyncio.timeout(timeout):
                 item = await self.queue.get()

@@ -338,8 +338,6 @@ class AsyncClient:
                                   f"accepting this client's CURVE key)") from None
             while True:
                 left = end - time.monotonic()
-                # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancel that
-                # lands as an event arrives, and an abandoned stream would never send Cancel
                 try:
                     async with asyncio.timeout(max(left, 0.001)):
                         ev = await q.get()

@@ -342,7 +342,7 @@ class SpecRun:
         self.last_v = time.monotonic()
         await self.act(actions)
         while not req.done:
-            try:   # asyncio.timeout: Python 3.11's wait_for can swallow the deadline's cancel
+            try:
                 async with asyncio.timeout(self.cfg.stall_s / 4):
                     src, msg, frames = await self.inbox.get()
             except TimeoutError:
@@ -363,10 +363,9 @@ class SpecRun:
 
     async def recover(self, err: PeerError) -> None:
         """Replay the verifier session until a replay sticks (each one counts against
-        max_recoveries). What recovery.Recovery.fail raises (give up: deadline, too many
-        replays, an error no replay cures) is the request's answer and leaves this loop: caught
-        here, it was fed back into fail, which raised it again, with no await between — the
-        event loop spun and the whole dispatcher hung."""
+        max_recoveries). What recovery.Recovery.fail raises (deadline, too many replays, an
+        error no replay cures) is the request's answer: it leaves this loop, never re-enters
+        fail (recovery.with_recovery's shape)."""
         while True:
             self.rec.fail(err)                     # raises what recovery cannot fix
             try:
