@@ -1,6 +1,7 @@
 /* The runner's CPU matrix product (common/cpu_kernels.py builds and loads this file):
  *
- *     y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N])     fp32, AVX2 + FMA, OpenMP
+ *     y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N])     fp32, AVX2 + FMA (AVX-512 from 7 rows
+ *                                                   where the CPU has it), OpenMP
  *
  * W is stored once, at load, as panels of 16 output rows, k-major inside a panel:
  *
@@ -107,8 +108,105 @@ static void block(const float* x, long K, const float* Wp, long pa, long pb, lon
     }
 }
 
-#define MB_MAX 6         /* rows per tile */
-#define PANEL_CHUNK 3    /* panels a thread keeps in L2 while every 6-row block passes (3 x
+/* ---------------------------------------------------------------------------------------------
+ * The same products with AVX-512 where the CPU has it (chosen at run time, tdm_isa): a panel's
+ * k step is one 16-lane load, and 32 registers hold an 8-row by 3-panel tile (24 accumulators),
+ * so up to 8 rows (a ragged decode batch of 8, an 8-token verification) share one pass over
+ * the weights where AVX2's 6-row tiles read them twice. Each output is the same sequential FMA
+ * chain as the AVX2 kernel's, so the two give the same bits (tests/unit/test_runner_gemm.py).
+ * ------------------------------------------------------------------------------------------ */
+#pragma GCC push_options
+#pragma GCC target("avx512f")
+
+#define KERNEL512(MB, NP)                                                                       \
+static void z_##MB##_##NP(const float* restrict x, long K, const float* restrict Wp, long p0,  \
+                          long m0, long N, const float* restrict bias, float* restrict y) {    \
+    __m512 acc[MB][NP];                                                                         \
+    _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++)                                        \
+    _Pragma("GCC unroll 8") for (int q = 0; q < NP; q++)                                        \
+        acc[m][q] = _mm512_setzero_ps();                                                        \
+    const float* w = Wp + p0 * K * PW;                                                          \
+    const float* xr = x + m0 * K;                                                               \
+    for (long k = 0; k < K; k++) {                                                              \
+        __m512 wv[NP];                                                                          \
+        if (MB >= 7) /* the full tiles; the remainder's pass is memory-bound */                 \
+            _Pragma("GCC unroll 8") for (int q = 0; q < NP; q++)                                \
+                _mm_prefetch((const char*)(w + (q * K + k + PREFETCH_K) * PW), _MM_HINT_T0);    \
+        _Pragma("GCC unroll 8") for (int q = 0; q < NP; q++)                                    \
+            wv[q] = _mm512_loadu_ps(w + (q * K + k) * PW);                                      \
+        _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) {                                  \
+            __m512 xb = _mm512_set1_ps(xr[m * K + k]);                                          \
+            _Pragma("GCC unroll 8") for (int q = 0; q < NP; q++)                                \
+                acc[m][q] = _mm512_fmadd_ps(wv[q], xb, acc[m][q]);                              \
+        }                                                                                       \
+    }                                                                                           \
+    _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++)                                        \
+    _Pragma("GCC unroll 8") for (int q = 0; q < NP; q++) {                                      \
+        long n = (p0 + q) * PW;                                                                 \
+        float out[PW];                                                                          \
+        _mm512_storeu_ps(out, acc[m][q]);                                                       \
+        float* yr = y + (m0 + m) * N;                                                           \
+        for (int j = 0; j < PW && n + j < N; j++)                                               \
+            yr[n + j] = bias ? out[j] + bias[n + j] : out[j];                                   \
+    }                                                                                           \
+}
+KERNEL512(1, 4) KERNEL512(1, 1) KERNEL512(2, 2) KERNEL512(2, 1) KERNEL512(3, 2) KERNEL512(3, 1)
+KERNEL512(4, 2) KERNEL512(4, 1) KERNEL512(5, 2) KERNEL512(5, 1) KERNEL512(6, 2) KERNEL512(6, 1)
+KERNEL512(7, 2) KERNEL512(7, 1) KERNEL512(8, 2) KERNEL512(8, 1)
+
+/* block() for AVX-512, mb <= 8: the tile of mb rows as wide as the registers allow, then
+ * one-panel tiles for what is left. */
+static void block512(const float* x, long K, const float* Wp, long pa, long pb, long m0, long mb,
+                     long N, const float* bias, float* y) {
+    long p = pa;
+#define TILES(MB, NP)                                                                           \
+    case MB:                                                                                    \
+        for (; p + NP <= pb; p += NP) z_##MB##_##NP(x, K, Wp, p, m0, N, bias, y);              \
+        for (; p < pb; p++) z_##MB##_1(x, K, Wp, p, m0, N, bias, y);                           \
+        break;
+    switch (mb) {
+    TILES(1, 4) TILES(2, 2) TILES(3, 2) TILES(4, 2) TILES(5, 2) TILES(6, 2) TILES(7, 2)
+    TILES(8, 2)
+    }
+#undef TILES
+}
+
+/* tdm_fma_peak's AVX-512 chains: 12 a thread, 16 lanes each. */
+static double fma_peak512(long iters, int threads) {
+    double total = 0;
+    #pragma omp parallel num_threads(threads) reduction(+ : total)
+    {
+        __m512 a[12];
+        const __m512 m = _mm512_set1_ps(0.999999f), c = _mm512_set1_ps(1e-7f);
+        for (int i = 0; i < 12; i++) a[i] = _mm512_set1_ps((float)(i + omp_get_thread_num()));
+        for (long it = 0; it < iters; it++) {
+            _Pragma("GCC unroll 12") for (int i = 0; i < 12; i++)
+                a[i] = _mm512_fmadd_ps(a[i], m, c);
+        }
+        __m512 s = a[0];
+        for (int i = 1; i < 12; i++) s = _mm512_add_ps(s, a[i]);
+        total += _mm512_reduce_add_ps(s);
+    }
+    return total;
+}
+#pragma GCC pop_options
+
+/* The instruction set the products use: 512 where the CPU has AVX-512F, else 256 (AVX2).
+ * tdm_set_isa(256) forces AVX2 on an AVX-512 CPU (the tests compare the two, the bench A/Bs
+ * them); it returns the width in use after the call. */
+static int isa_width = 0;
+
+int tdm_isa(void) {
+    if (isa_width == 0) isa_width = __builtin_cpu_supports("avx512f") ? 512 : 256;
+    return isa_width;
+}
+
+int tdm_set_isa(int width) {
+    isa_width = width == 512 && __builtin_cpu_supports("avx512f") ? 512 : 256;
+    return isa_width;
+}
+
+#define PANEL_CHUNK 3    /* panels a thread keeps in L2 while every full-row block passes (3 x
                           * 1536 k x 64 B = 295 KB for the widest SmolLM2 product; 3 beat 4 and
                           * 6 by 2-6 % on 7-16 rows) */
 
@@ -118,25 +216,36 @@ void tdm_linear(const float* x, long M, long K, const float* Wp, long N, const f
                 float* y, int threads) {
     long P = (N + PW - 1) / PW;
     if (threads > P) threads = (int)P;
+    /* AVX-512 from 7 rows on, where its 8-row tile reads the weights once for a batch of 7-8
+     * rows (AVX2 reads them twice: a 6-row tile and the rest); below that AVX2's tiles already
+     * cover every row in one pass and measured no faster. A/B of a decode step's products, 7
+     * interleaved reps, a 2-core AMD EPYC (Zen 4) VM, AVX2 -> AVX-512: 7 rows 25.9 -> 22.5 ms,
+     * 8 rows 26.2 -> 23.0, 9 rows 29.3 -> 28.3, 12 rows 30.8 -> 30.5, 16 rows 40.3 -> 41.2,
+     * 32 rows 59.0 -> 54.9; AVX-512 for 4-6 rows (4 x 2, 5 x 2, 6 x 2 tiles) was 7-11 % slower
+     * in an earlier run, 1-2 rows the same. */
+    int wide = M >= 7 && tdm_isa() == 512;
+    long mb_max = wide ? 8 : 6;   /* rows per tile */
+    void (*blk)(const float*, long, const float*, long, long, long, long, long, const float*,
+                float*) = wide ? block512 : block;
     #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         int t = omp_get_thread_num(), T = omp_get_num_threads();
         long pa = P * t / T, pb = P * (t + 1) / T;
-        long step = M <= MB_MAX ? pb - pa : PANEL_CHUNK;
+        long step = M <= mb_max ? pb - pa : PANEL_CHUNK;
         for (long c = pa; c < pb; c += step) {
             long ce = c + step < pb ? c + step : pb;
-            /* past 6 rows, the remainder tile passes first: its pass is memory-bound and
-             * streams the chunk from DRAM at the hardware prefetcher's pace, then the full
+            /* past one tile of rows, the remainder tile passes first: its pass is memory-bound
+             * and streams the chunk from DRAM at the hardware prefetcher's pace, then the full
              * tiles, compute-bound, run from L2. Full tiles first, their pass streamed the
              * chunk more slowly (A/B of a decode step's products, 9 interleaved reps, a 2-core
-             * Intel Xeon VM with 2 MB L2 a core: 8 rows 38.1 -> 34.1 ms, 9 rows 40.7 -> 37.6,
-             * 7 rows -4 %, 10 and 12 rows unchanged; not measured on the AMD EPYC the rest of
-             * this file was tuned on). Every output is the same FMA chain either way. */
-            long rem = M > MB_MAX ? M % MB_MAX : 0, full = M - rem;
+             * Intel Xeon VM with 2 MB L2 a core, AVX2: 8 rows 38.1 -> 34.1 ms, 9 rows 40.7 ->
+             * 37.6, 7 rows -4 %, 10 and 12 rows unchanged). Every output is the same FMA chain
+             * either way. */
+            long rem = M > mb_max ? M % mb_max : 0, full = M - rem;
             if (rem)
-                block(x, K, Wp, c, ce, full, rem, N, bias, y);
-            for (long m0 = 0; m0 < full; m0 += MB_MAX)
-                block(x, K, Wp, c, ce, m0, full - m0 < MB_MAX ? full - m0 : MB_MAX, N, bias, y);
+                blk(x, K, Wp, c, ce, full, rem, N, bias, y);
+            for (long m0 = 0; m0 < full; m0 += mb_max)
+                blk(x, K, Wp, c, ce, m0, full - m0 < mb_max ? full - m0 : mb_max, N, bias, y);
         }
     }
 }
@@ -376,11 +485,13 @@ void tdm_layer(const float* x, float* xo, long T, const float* const* w, const l
     for (long i = 0; i < T * H; i++) xo[i] += a[i];
 }
 
-/* The machine's fp32 FMA throughput, for the bench's compute floor (bench/runner_limits.py):
- * each thread runs 12 independent FMA chains on registers (enough to cover the FMA latency on
- * both pipes) `iters` times; 12 * 8 * 2 * iters FLOP a thread. Returns a value that depends on
- * every chain, so the compiler keeps them all. */
-double tdm_fma_peak(long iters, int threads) {
+/* The machine's fp32 FMA throughput, for the bench's compute floor (bench/runner_limits.py),
+ * at the width the products use (tdm_isa): each thread runs 12 independent FMA chains on
+ * registers (enough to cover the FMA latency on both pipes) `iters` times. Returns the FLOP
+ * done; the chains' sum goes to fma_sink, so the compiler keeps them all. */
+static volatile double fma_sink;
+
+static double fma_peak256(long iters, int threads) {
     double total = 0;
     #pragma omp parallel num_threads(threads) reduction(+ : total)
     {
@@ -398,4 +509,10 @@ double tdm_fma_peak(long iters, int threads) {
         for (int i = 0; i < 8; i++) total += o[i];
     }
     return total;
+}
+
+double tdm_fma_peak(long iters, int threads) {
+    int lanes = tdm_isa() == 512 ? 16 : 8;
+    fma_sink = lanes == 16 ? fma_peak512(iters, threads) : fma_peak256(iters, threads);
+    return 12.0 * lanes * 2 * iters * threads;
 }

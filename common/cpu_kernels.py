@@ -1,4 +1,5 @@
-"""The runner's CPU kernels: common/cpu_kernels.c (fp32, AVX2 + FMA, OpenMP), built once with
+"""The runner's CPU kernels: common/cpu_kernels.c (fp32, AVX2 + FMA, OpenMP; products of 7 rows or
+more in AVX-512 where the CPU has it, chosen at run time: `isa()`), built once with
 the system C compiler and called through ctypes: the products on panel-packed weights, RMSNorm,
 residual + norm, SwiGLU, one layer's attention for a ragged batch, and a whole pre-norm SwiGLU
 decoder layer (`Layer`).
@@ -125,6 +126,10 @@ def load() -> ctypes.CDLL | None:
                                vp, ctypes.c_float, vp, ctypes.c_int]
     _lib.tdm_fma_peak.argtypes = [lng, ctypes.c_int]
     _lib.tdm_fma_peak.restype = ctypes.c_double
+    _lib.tdm_isa.argtypes = []
+    _lib.tdm_isa.restype = ctypes.c_int
+    _lib.tdm_set_isa.argtypes = [ctypes.c_int]
+    _lib.tdm_set_isa.restype = ctypes.c_int
     for f in (_lib.tdm_pack, _lib.tdm_linear, _lib.tdm_rms_norm, _lib.tdm_add_rms_norm,
               _lib.tdm_silu_mul, _lib.tdm_attention, _lib.tdm_layer):
         f.restype = None
@@ -165,6 +170,17 @@ def linear(x: torch.Tensor, w: PanelWeight, bias: torch.Tensor | None = None) ->
                     None if bias is None else bias.data_ptr(), y.data_ptr(),
                     torch.get_num_threads())
     return y
+
+
+def isa() -> int:
+    """The products' vector width in bits: 512 where the CPU has AVX-512F, else 256 (AVX2)."""
+    return _lib.tdm_isa()
+
+
+def set_isa(width: int) -> int:
+    """Use `width` (256 or 512) for the products from now on, where the CPU allows; returns the
+    width in use. Both give the same bits; the tests compare them and the bench A/Bs them."""
+    return _lib.tdm_set_isa(width)
 
 
 def _f32(t: torch.Tensor, what: str) -> torch.Tensor:
@@ -287,10 +303,10 @@ class Layer:
 
 
 def fma_flops(iters: int, threads: int) -> int:
-    """Run `tdm_fma_peak` (12 FMA chains a thread on registers) and return the FLOP it did;
-    FLOP over the call's wall time is the machine's fp32 FMA throughput on `threads`."""
-    _lib.tdm_fma_peak(iters, threads)
-    return 12 * 8 * 2 * iters * threads
+    """Run `tdm_fma_peak` (12 FMA chains a thread on registers, at the products' vector width)
+    and return the FLOP it did; FLOP over the call's wall time is the machine's fp32 FMA
+    throughput on `threads`."""
+    return int(_lib.tdm_fma_peak(iters, threads))
 
 
 if __name__ == "__main__":   # prebuild (package installs, images): python -m common.cpu_kernels

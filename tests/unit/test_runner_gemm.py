@@ -25,6 +25,14 @@ def runners(model_paths):
     return {kind: LayerRangeRunner(model_paths.target, gemm=kind) for kind in ("panel", "onednn")}
 
 
+@pytest.fixture
+def isa():
+    """kernels.set_isa for one test, the CPU's own width restored after."""
+    native = kernels.isa()
+    yield kernels.set_isa
+    kernels.set_isa(native)
+
+
 def test_the_kernel_builds_on_this_machine():
     """CI's machines are x86-64 with AVX2 and a C compiler: the kernel must be there, so the
     runner's default is the panel path (a silent fallback would hide a broken build)."""
@@ -33,7 +41,10 @@ def test_the_kernel_builds_on_this_machine():
 
 
 @pytest.mark.parametrize("n, k", [(960, 576), (37, 19), (16, 1), (1, 300), (49, 1536)])
-def test_kernel_products_match_float64(n, k):
+@pytest.mark.parametrize("width", [256, 512])
+def test_kernel_products_match_float64(n, k, width, isa):
+    if isa(width) != width:
+        pytest.skip(f"this CPU has no {width}-bit FMA (AVX-512F)")
     g = torch.Generator().manual_seed(n * 1000 + k)
     w = torch.randn(n, k, generator=g)
     b = torch.randn(n, generator=g)
@@ -60,6 +71,22 @@ def test_a_row_gives_the_same_bits_in_any_batch():
     for m in range(1, 41):
         assert torch.equal(kernels.linear(x[:m], w), alone[:m]), m
     assert torch.equal(kernels.linear(x[7:19], w), alone[7:19])
+
+
+def test_avx512_and_avx2_products_give_the_same_bits(isa):
+    """The AVX-512 tiles (7 rows on) run the same FMA chain per output as AVX2's: a session's
+    logits do not depend on the CPU's vector width or on the batch it lands in."""
+    if isa(512) != 512:
+        pytest.skip("this CPU has no AVX-512F")
+    g = torch.Generator().manual_seed(4)
+    w, b = torch.randn(200, 576, generator=g), torch.randn(200, generator=g)
+    wp = kernels.pack(w)
+    x = torch.randn(40, 576, generator=g)
+    for m in range(1, 41):
+        isa(256)
+        narrow = kernels.linear(x[:m], wp, b)
+        isa(512)
+        assert torch.equal(kernels.linear(x[:m], wp, b), narrow), m
 
 
 def test_the_kernel_refuses_bad_inputs():
