@@ -40,45 +40,49 @@ void tdm_pack(const float* W, long N, long K, float* Wp) {
  * prefetcher keeps up, prefetching cost 5-10 %, so they do without. */
 #define PREFETCH_K 16
 
-/* Rows [m0, m0 + MB) of x against panels [p0, p0 + NP): MB * NP * 2 accumulators (at most 12
- * of the 16 ymm registers, the rest hold W and the broadcast). */
-#define KERNEL(MB, NP)                                                                          \
-static void k_##MB##_##NP(const float* restrict x, long K, const float* restrict Wp, long p0,  \
-                          long m0, long N, const float* restrict bias, float* restrict y) {    \
-    __m256 acc[MB][NP][2];                                                                      \
+/* Rows [m0, m0 + MB) of x against panels [p0, p0 + NP) at one vector width: V vectors of
+ * LANES floats a panel (AVX2 2 x 8, AVX-512 1 x 16), MB * NP * V accumulators (AVX2: at most
+ * 12 of the 16 ymm registers; AVX-512: 16 of 32 zmm), the rest hold W and the broadcast. Tiles
+ * of PF_ROWS rows or more prefetch. */
+#define TILE(NAME, VEC, LANES, V, PF_ROWS, ZERO, LOAD, STORE, SET1, FMADD, MB, NP)               \
+static void NAME##_##MB##_##NP(const float* restrict x, long K, const float* restrict Wp,      \
+                               long p0, long m0, long N, const float* restrict bias,           \
+                               float* restrict y) {                                            \
+    VEC acc[MB][NP][V];                                                                         \
     _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++)                                        \
     _Pragma("GCC unroll 8") for (int q = 0; q < NP; q++)                                        \
-        acc[m][q][0] = acc[m][q][1] = _mm256_setzero_ps();                                      \
+    _Pragma("GCC unroll 2") for (int v = 0; v < V; v++)                                         \
+        acc[m][q][v] = ZERO();                                                                  \
     const float* w = Wp + p0 * K * PW;                                                          \
     const float* xr = x + m0 * K;                                                               \
     for (long k = 0; k < K; k++) {                                                              \
-        __m256 wv[NP][2];                                                                       \
-        if (MB >= 3) /* compute-heavy tiles: the loads are too far apart for the hardware */    \
-            _Pragma("GCC unroll 8") for (int q = 0; q < NP; q++)   /* prefetcher alone */       \
+        VEC wv[NP][V];                                                                          \
+        if (MB >= PF_ROWS) /* compute-heavy tiles: the loads are too far apart for the */       \
+            _Pragma("GCC unroll 8") for (int q = 0; q < NP; q++) /* hardware prefetcher */      \
                 _mm_prefetch((const char*)(w + (q * K + k + PREFETCH_K) * PW), _MM_HINT_T0);    \
-        _Pragma("GCC unroll 8") for (int q = 0; q < NP; q++) {                                  \
-            wv[q][0] = _mm256_loadu_ps(w + (q * K + k) * PW);                                   \
-            wv[q][1] = _mm256_loadu_ps(w + (q * K + k) * PW + 8);                               \
-        }                                                                                       \
+        _Pragma("GCC unroll 8") for (int q = 0; q < NP; q++)                                    \
+        _Pragma("GCC unroll 2") for (int v = 0; v < V; v++)                                     \
+            wv[q][v] = LOAD(w + (q * K + k) * PW + v * LANES);                                  \
         _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) {                                  \
-            __m256 xb = _mm256_broadcast_ss(xr + m * K + k);                                    \
-            _Pragma("GCC unroll 8") for (int q = 0; q < NP; q++) {                              \
-                acc[m][q][0] = _mm256_fmadd_ps(wv[q][0], xb, acc[m][q][0]);                     \
-                acc[m][q][1] = _mm256_fmadd_ps(wv[q][1], xb, acc[m][q][1]);                     \
-            }                                                                                   \
+            VEC xb = SET1(xr[m * K + k]);                                                       \
+            _Pragma("GCC unroll 8") for (int q = 0; q < NP; q++)                                \
+            _Pragma("GCC unroll 2") for (int v = 0; v < V; v++)                                 \
+                acc[m][q][v] = FMADD(wv[q][v], xb, acc[m][q][v]);                               \
         }                                                                                       \
     }                                                                                           \
     _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++)                                        \
     _Pragma("GCC unroll 8") for (int q = 0; q < NP; q++) {                                      \
         long n = (p0 + q) * PW;                                                                 \
         float out[PW];                                                                          \
-        _mm256_storeu_ps(out, acc[m][q][0]);                                                    \
-        _mm256_storeu_ps(out + 8, acc[m][q][1]);                                                \
+        _Pragma("GCC unroll 2") for (int v = 0; v < V; v++)                                     \
+            STORE(out + v * LANES, acc[m][q][v]);                                               \
         float* yr = y + (m0 + m) * N;                                                           \
         for (int j = 0; j < PW && n + j < N; j++)                                               \
             yr[n + j] = bias ? out[j] + bias[n + j] : out[j];                                   \
     }                                                                                           \
 }
+#define KERNEL(MB, NP) TILE(k, __m256, 8, 2, 3, _mm256_setzero_ps, _mm256_loadu_ps,              \
+                            _mm256_storeu_ps, _mm256_set1_ps, _mm256_fmadd_ps, MB, NP)
 KERNEL(1, 4) KERNEL(1, 2) KERNEL(1, 1)
 KERNEL(2, 3) KERNEL(2, 1)
 KERNEL(3, 2) KERNEL(3, 1)
@@ -108,48 +112,42 @@ static void block(const float* x, long K, const float* Wp, long pa, long pb, lon
     }
 }
 
+/* 12 independent FMA chains a thread on registers, `iters` times (tdm_fma_peak, at the end of
+ * the file, says why); returns their sum, so the compiler keeps them all. */
+#define FMA_PEAK(NAME, VEC, LANES, SET1, FMADD, ADD, STORE)                                      \
+static double NAME(long iters, int threads) {                                                   \
+    double total = 0;                                                                           \
+    _Pragma("omp parallel num_threads(threads) reduction(+ : total)")                           \
+    {                                                                                           \
+        VEC a[12];                                                                              \
+        const VEC m = SET1(0.999999f), c = SET1(1e-7f);                                         \
+        for (int i = 0; i < 12; i++) a[i] = SET1((float)(i + omp_get_thread_num()));            \
+        for (long it = 0; it < iters; it++) {                                                   \
+            _Pragma("GCC unroll 12") for (int i = 0; i < 12; i++)                               \
+                a[i] = FMADD(a[i], m, c);                                                       \
+        }                                                                                       \
+        VEC s = a[0];                                                                           \
+        for (int i = 1; i < 12; i++) s = ADD(s, a[i]);                                          \
+        float o[LANES];                                                                         \
+        STORE(o, s);                                                                            \
+        for (int i = 0; i < LANES; i++) total += o[i];                                          \
+    }                                                                                           \
+    return total;                                                                               \
+}
+
 /* ---------------------------------------------------------------------------------------------
  * The same products with AVX-512 where the CPU has it (chosen at run time, tdm_isa): a panel's
- * k step is one 16-lane load, and 32 registers hold an 8-row by 3-panel tile (24 accumulators),
- * so up to 8 rows (a ragged decode batch of 8, an 8-token verification) share one pass over
+ * k step is one 16-lane load, and 32 registers hold an 8-row by 2-panel tile (16 accumulators,
+ * which AVX2's 16 ymm registers cannot: its widest is 6 rows by 1 panel), so up to 8 rows (a ragged decode batch of 8, an 8-token verification) share one pass over
  * the weights where AVX2's 6-row tiles read them twice. Each output is the same sequential FMA
  * chain as the AVX2 kernel's, so the two give the same bits (tests/unit/test_runner_gemm.py).
  * ------------------------------------------------------------------------------------------ */
 #pragma GCC push_options
 #pragma GCC target("avx512f")
 
-#define KERNEL512(MB, NP)                                                                       \
-static void z_##MB##_##NP(const float* restrict x, long K, const float* restrict Wp, long p0,  \
-                          long m0, long N, const float* restrict bias, float* restrict y) {    \
-    __m512 acc[MB][NP];                                                                         \
-    _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++)                                        \
-    _Pragma("GCC unroll 8") for (int q = 0; q < NP; q++)                                        \
-        acc[m][q] = _mm512_setzero_ps();                                                        \
-    const float* w = Wp + p0 * K * PW;                                                          \
-    const float* xr = x + m0 * K;                                                               \
-    for (long k = 0; k < K; k++) {                                                              \
-        __m512 wv[NP];                                                                          \
-        if (MB >= 7) /* the full tiles; the remainder's pass is memory-bound */                 \
-            _Pragma("GCC unroll 8") for (int q = 0; q < NP; q++)                                \
-                _mm_prefetch((const char*)(w + (q * K + k + PREFETCH_K) * PW), _MM_HINT_T0);    \
-        _Pragma("GCC unroll 8") for (int q = 0; q < NP; q++)                                    \
-            wv[q] = _mm512_loadu_ps(w + (q * K + k) * PW);                                      \
-        _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) {                                  \
-            __m512 xb = _mm512_set1_ps(xr[m * K + k]);                                          \
-            _Pragma("GCC unroll 8") for (int q = 0; q < NP; q++)                                \
-                acc[m][q] = _mm512_fmadd_ps(wv[q], xb, acc[m][q]);                              \
-        }                                                                                       \
-    }                                                                                           \
-    _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++)                                        \
-    _Pragma("GCC unroll 8") for (int q = 0; q < NP; q++) {                                      \
-        long n = (p0 + q) * PW;                                                                 \
-        float out[PW];                                                                          \
-        _mm512_storeu_ps(out, acc[m][q]);                                                       \
-        float* yr = y + (m0 + m) * N;                                                           \
-        for (int j = 0; j < PW && n + j < N; j++)                                               \
-            yr[n + j] = bias ? out[j] + bias[n + j] : out[j];                                   \
-    }                                                                                           \
-}
+/* prefetching from 7 rows: only the full tiles, the remainder's pass is memory-bound */
+#define KERNEL512(MB, NP) TILE(z, __m512, 16, 1, 7, _mm512_setzero_ps, _mm512_loadu_ps,          \
+                               _mm512_storeu_ps, _mm512_set1_ps, _mm512_fmadd_ps, MB, NP)
 KERNEL512(1, 4) KERNEL512(1, 1) KERNEL512(2, 2) KERNEL512(2, 1) KERNEL512(3, 2) KERNEL512(3, 1)
 KERNEL512(4, 2) KERNEL512(4, 1) KERNEL512(5, 2) KERNEL512(5, 1) KERNEL512(6, 2) KERNEL512(6, 1)
 KERNEL512(7, 2) KERNEL512(7, 1) KERNEL512(8, 2) KERNEL512(8, 1)
@@ -171,24 +169,8 @@ static void block512(const float* x, long K, const float* Wp, long pa, long pb, 
 #undef TILES
 }
 
-/* tdm_fma_peak's AVX-512 chains: 12 a thread, 16 lanes each. */
-static double fma_peak512(long iters, int threads) {
-    double total = 0;
-    #pragma omp parallel num_threads(threads) reduction(+ : total)
-    {
-        __m512 a[12];
-        const __m512 m = _mm512_set1_ps(0.999999f), c = _mm512_set1_ps(1e-7f);
-        for (int i = 0; i < 12; i++) a[i] = _mm512_set1_ps((float)(i + omp_get_thread_num()));
-        for (long it = 0; it < iters; it++) {
-            _Pragma("GCC unroll 12") for (int i = 0; i < 12; i++)
-                a[i] = _mm512_fmadd_ps(a[i], m, c);
-        }
-        __m512 s = a[0];
-        for (int i = 1; i < 12; i++) s = _mm512_add_ps(s, a[i]);
-        total += _mm512_reduce_add_ps(s);
-    }
-    return total;
-}
+FMA_PEAK(fma_peak512, __m512, 16, _mm512_set1_ps, _mm512_fmadd_ps, _mm512_add_ps,
+         _mm512_storeu_ps)
 #pragma GCC pop_options
 
 /* The instruction set the products use: 512 where the CPU has AVX-512F, else 256 (AVX2).
@@ -491,25 +473,8 @@ void tdm_layer(const float* x, float* xo, long T, const float* const* w, const l
  * done; the chains' sum goes to fma_sink, so the compiler keeps them all. */
 static volatile double fma_sink;
 
-static double fma_peak256(long iters, int threads) {
-    double total = 0;
-    #pragma omp parallel num_threads(threads) reduction(+ : total)
-    {
-        __m256 a[12];
-        const __m256 m = _mm256_set1_ps(0.999999f), c = _mm256_set1_ps(1e-7f);
-        for (int i = 0; i < 12; i++) a[i] = _mm256_set1_ps((float)(i + omp_get_thread_num()));
-        for (long it = 0; it < iters; it++) {
-            _Pragma("GCC unroll 12") for (int i = 0; i < 12; i++)
-                a[i] = _mm256_fmadd_ps(a[i], m, c);
-        }
-        float o[8];
-        __m256 s = a[0];
-        for (int i = 1; i < 12; i++) s = _mm256_add_ps(s, a[i]);
-        _mm256_storeu_ps(o, s);
-        for (int i = 0; i < 8; i++) total += o[i];
-    }
-    return total;
-}
+FMA_PEAK(fma_peak256, __m256, 8, _mm256_set1_ps, _mm256_fmadd_ps, _mm256_add_ps,
+         _mm256_storeu_ps)
 
 double tdm_fma_peak(long iters, int threads) {
     int lanes = tdm_isa() == 512 ? 16 : 8;
