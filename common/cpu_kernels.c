@@ -137,10 +137,11 @@ static double NAME(long iters, int threads) {                                   
 
 /* ---------------------------------------------------------------------------------------------
  * The same products with AVX-512 where the CPU has it (chosen at run time, tdm_isa): a panel's
- * k step is one 16-lane load, and 32 registers hold an 8-row by 2-panel tile (16 accumulators,
- * which AVX2's 16 ymm registers cannot: its widest is 6 rows by 1 panel), so up to 8 rows (a ragged decode batch of 8, an 8-token verification) share one pass over
- * the weights where AVX2's 6-row tiles read them twice. Each output is the same sequential FMA
- * chain as the AVX2 kernel's, so the two give the same bits (tests/unit/test_runner_gemm.py).
+ * k step is one 16-lane load, and 32 registers hold an 8-row by 2-panel tile (16 accumulators;
+ * AVX2's 16 ymm registers cannot, its widest is 6 rows by 1 panel), so up to 8 rows (a ragged
+ * decode batch of 8, an 8-token verification) share one pass over the weights where AVX2's
+ * 6-row tiles read them twice. Each output is the same sequential FMA chain as the AVX2
+ * kernel's, so the two give the same bits (tests/unit/test_runner_gemm.py).
  * ------------------------------------------------------------------------------------------ */
 #pragma GCC push_options
 #pragma GCC target("avx512f")
