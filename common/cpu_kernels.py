@@ -1,8 +1,8 @@
 """The runner's CPU kernels: common/cpu_kernels.c (fp32, AVX2 + FMA, OpenMP; products of 7 rows or
 more in AVX-512 where the CPU has it, chosen at run time: `isa()`), built once with
 the system C compiler and called through ctypes: the products on panel-packed weights, RMSNorm,
-residual + norm, SwiGLU, one layer's attention for a ragged batch, and a whole pre-norm SwiGLU
-decoder layer (`Layer`).
+residual + norm, SwiGLU, one layer's attention for a ragged batch, and whole pre-norm SwiGLU
+decoder layers, a forward's range of them in one call (`LayerStack`).
 
     lib = cpu_kernels.load()              # None where it cannot run here (why: unavailable())
     wp = cpu_kernels.pack(w)              # [N, K] fp32 -> PanelWeight, once at load
@@ -122,8 +122,9 @@ def load() -> ctypes.CDLL | None:
     _lib.tdm_silu_mul.argtypes = [vp, lng, lng, vp, ctypes.c_int]
     _lib.tdm_attention.argtypes = [vp, lng, lng, lng, lng, lng, vp, vp, lng,
                                    lng, vp, vp, vp, vp, ctypes.c_float, vp, ctypes.c_int]
-    _lib.tdm_layer.argtypes = [vp, vp, lng, vp, vp, ctypes.c_float, vp, vp, lng, lng, vp, vp, vp,
-                               vp, ctypes.c_float, vp, ctypes.c_int]
+    _lib.tdm_layers.argtypes = [lng, vp, vp, lng, vp, vp, ctypes.c_float, vp, vp, vp, lng, vp,
+                                vp, vp, vp, ctypes.c_float, vp, ctypes.c_int]
+    _lib.tdm_layers.restype = ctypes.c_int
     _lib.tdm_fma_peak.argtypes = [lng, ctypes.c_int]
     _lib.tdm_fma_peak.restype = ctypes.c_double
     _lib.tdm_isa.argtypes = []
@@ -131,7 +132,7 @@ def load() -> ctypes.CDLL | None:
     _lib.tdm_set_isa.argtypes = [ctypes.c_int]
     _lib.tdm_set_isa.restype = ctypes.c_int
     for f in (_lib.tdm_pack, _lib.tdm_linear, _lib.tdm_rms_norm, _lib.tdm_add_rms_norm,
-              _lib.tdm_silu_mul, _lib.tdm_attention, _lib.tdm_layer):
+              _lib.tdm_silu_mul, _lib.tdm_attention):
         f.restype = None
     return _lib
 
@@ -270,19 +271,21 @@ LAYER_TENSORS = ("in_norm", "q_norm", "k_norm", "pre_mlp_norm", "qkv", "qkv_b", 
                  "gate_up", "gate_up_b", "down", "down_b")
 
 
-class Layer:
-    """One pre-norm SwiGLU decoder layer as `tdm_layer` runs it: its tensors' addresses (the
-    runner keeps the tensors) and its dimensions."""
+class LayerStack:
+    """Consecutive pre-norm SwiGLU decoder layers as `tdm_layers` runs them, any sub-range in one
+    call: their tensors' addresses (the caller keeps the tensors) and dimensions."""
 
-    def __init__(self, w: dict, hidden: int, nh: int, nkv: int, hd: int, eps: float,
+    def __init__(self, layers: list[dict], hidden: int, nh: int, nkv: int, hd: int, eps: float,
                  scale: float):
-        def address(name):
+        def address(w, name):
             t = w.get(name)
             return None if t is None else (t.data if isinstance(t, PanelWeight) else t).data_ptr()
 
-        self.inter = w["gate_up"].out_features // 2
-        self.ptrs = (ctypes.c_void_p * len(LAYER_TENSORS))(*[address(n) for n in LAYER_TENSORS])
-        self.dims = (ctypes.c_long * 5)(hidden, nh, nkv, hd, self.inter)
+        self.inter = max(w["gate_up"].out_features // 2 for w in layers)
+        self.ptrs = (ctypes.c_void_p * (len(layers) * len(LAYER_TENSORS)))(
+            *[address(w, n) for w in layers for n in LAYER_TENSORS])
+        self.dims = (ctypes.c_long * (5 * len(layers)))(
+            *[d for w in layers for d in (hidden, nh, nkv, hd, w["gate_up"].out_features // 2)])
         self.hidden, self.nh, self.nkv, self.hd = hidden, nh, nkv, hd
         self.eps, self.scale = eps, scale
 
@@ -290,16 +293,32 @@ class Layer:
         return T * (2 * self.hidden + (self.nh + 2 * self.nkv) * self.hd + self.nh * self.hd
                     + 3 * self.inter)
 
-    def __call__(self, x: torch.Tensor, xo: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 batch: AttentionBatch, window: int | None, bufs: list[torch.Tensor],
-                 scratch: torch.Tensor) -> None:
-        """xo = the layer applied to x [T, hidden] (both contiguous fp32; scratch at least
-        scratch_floats(T)); appends each segment's K/V to bufs[s] as `attention` does."""
-        ptrs, caps = batch.buffers(bufs)
-        _lib.tdm_layer(x.data_ptr(), xo.data_ptr(), x.shape[0], self.ptrs, self.dims, self.eps,
-                       cos.data_ptr(), sin.data_ptr(), cos.shape[-1], batch.nseg,
-                       batch.seg[window].data_ptr(), ptrs, caps, batch.masks[window], self.scale,
-                       scratch.data_ptr(), torch.get_num_threads())
+    def __call__(self, first: int, x: torch.Tensor, rope: list[tuple[torch.Tensor, torch.Tensor]],
+                 batch: AttentionBatch, windows: list[int | None],
+                 bufs: list[list[torch.Tensor]]) -> torch.Tensor:
+        """Layers first, first + 1, ... (one per entry of rope, windows and bufs: that layer's
+        cos/sin rows [T, rot], sliding window, and each segment's cache buffer) applied to x
+        [T, hidden] (contiguous fp32); appends each segment's K/V as `attention` does. Returns
+        the output (x or a new tensor)."""
+        n, nseg = len(rope), batch.nseg
+        if not n == len(windows) == len(bufs) or any(len(b) != nseg for b in bufs):
+            raise ValueError("LayerStack: one rope pair, window and buffer list per layer")
+        xo = torch.empty_like(x)
+        scratch = torch.empty(self.scratch_floats(x.shape[0]))
+        vp, lng = ctypes.c_void_p, ctypes.c_long
+        lw = len(LAYER_TENSORS)
+        out = _lib.tdm_layers(
+            n, x.data_ptr(), xo.data_ptr(), x.shape[0],
+            ctypes.addressof(self.ptrs) + first * lw * ctypes.sizeof(vp),
+            ctypes.addressof(self.dims) + first * 5 * ctypes.sizeof(lng), self.eps,
+            (vp * n)(*[c.data_ptr() for c, _ in rope]), (vp * n)(*[s.data_ptr() for _, s in rope]),
+            (lng * n)(*[c.shape[-1] for c, _ in rope]), nseg,
+            (vp * n)(*[batch.seg[w].data_ptr() for w in windows]),
+            (vp * (n * nseg))(*[b.data_ptr() for layer in bufs for b in layer]),
+            (lng * (n * nseg))(*[b.shape[2] for layer in bufs for b in layer]),
+            (vp * n)(*[ctypes.addressof(batch.masks[w]) for w in windows]),
+            self.scale, scratch.data_ptr(), torch.get_num_threads())
+        return xo if out else x
 
 
 def fma_flops(iters: int, threads: int) -> int:

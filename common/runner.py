@@ -327,12 +327,12 @@ class LayerRangeRunner:
             self.norm_w = self.lm_head = None
         handles.clear()
         self._fused_norm = not self._kernels and self._fused_norm_exact()
-        # the pre-norm SwiGLU families run each layer as one kernel call (tdm_layer)
+        # the pre-norm SwiGLU families run a forward's layers as one kernel call (tdm_layers)
         self._kernel_layers = None
         if self._kernel_attention and self._kernel_swiglu and not fam.sandwich_norms:
-            self._kernel_layers = [kernels.Layer(w, self.hidden_size, self.n_heads, self.kv_heads,
-                                                 self.head_dim, self.eps, self._kernel_scale)
-                                   for w in self.layers]
+            self._kernel_layers = kernels.LayerStack(self.layers, self.hidden_size, self.n_heads,
+                                                     self.kv_heads, self.head_dim, self.eps,
+                                                     self._kernel_scale)
 
     def _choose_gemm(self, gemm: str) -> str:
         """The products' implementation ('Matrix products', module doc): "panel" (this
@@ -598,18 +598,13 @@ class LayerRangeRunner:
 
     def _kernel_forward(self, x: torch.Tensor, rope: dict, batch, segments, a: int,
                         b: int) -> torch.Tensor:
-        """Layers [a, b) as one tdm_layer call each, x and a second buffer taking turns."""
-        x = x.contiguous()
-        xo = torch.empty_like(x)
-        scratch = torch.empty(self._kernel_layers[0].scratch_floats(x.shape[0]))
+        """Layers [a, b) as one tdm_layers call."""
         rope = {k: (c.contiguous(), s_.contiguous()) for k, (c, s_) in rope.items()}
-        for layer in range(a, b):
-            cos, sin = rope[self.plans[layer].rope]
-            self._kernel_layers[layer - self.lo](
-                x, xo, cos, sin, batch, self.plans[layer].window,
-                [s.kv.bufs[layer - s.kv.lo] for s in segments], scratch)
-            x, xo = xo, x
-        return x
+        layers = range(a, b)
+        return self._kernel_layers(
+            a - self.lo, x.contiguous(), [rope[self.plans[layer].rope] for layer in layers],
+            batch, [self.plans[layer].window for layer in layers],
+            [[s.kv.bufs[layer - s.kv.lo] for s in segments] for layer in layers])
 
     @torch.inference_mode()
     def forward(self, segments: list[Segment], a: int, b: int) -> list[torch.Tensor]:
