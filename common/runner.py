@@ -16,9 +16,10 @@ How a forward call is laid out (T = all new tokens of all segments, concatenated
 Matrix products and the layer around them (CPU, float32): this project's kernels
 (common/cpu_kernels.c, built on first use; `gemm="panel"`, the default where they build). Every
 weight is stored once as panels of 16 output rows, k-major, so a product streams each panel as
-one contiguous run; the pre-norm SwiGLU families (Llama, Mistral, Qwen2/3, Phi-3) run each whole
-layer as one kernel call (norm, q|k|v, q/k norms, RoPE + K/V writes + attention for every
-segment, o, residual + norm, SwiGLU, down), Gemma's layers op by op through the same kernels.
+one contiguous run; the pre-norm SwiGLU families (Llama, Mistral, Qwen2/3, Phi-3) run a
+forward's whole layers as one kernel call (each layer's norm, q|k|v, q/k norms, RoPE + K/V
+writes + attention for every segment, o, residual + norm, SwiGLU, down), Gemma's layers op by
+op through the same kernels.
 Why: on this project's 2-core AMD EPYC (Zen 3, AVX2) the libraries' products read the weights
 far below the machine's bandwidth at decode's row counts. All 121 products of a SmolLM2 decode
 step (538 MB), 2 threads, median of 7 interleaved reps (`tandem bench runner --gemm`, README):
