@@ -281,6 +281,7 @@ class LayerStack:
             t = w.get(name)
             return None if t is None else (t.data if isinstance(t, PanelWeight) else t).data_ptr()
 
+        self.n_layers = len(layers)
         self.inter = max(w["gate_up"].out_features // 2 for w in layers)
         self.ptrs = (ctypes.c_void_p * (len(layers) * len(LAYER_TENSORS)))(
             *[address(w, n) for w in layers for n in LAYER_TENSORS])
@@ -303,6 +304,9 @@ class LayerStack:
         n, nseg = len(rope), batch.nseg
         if not n == len(windows) == len(bufs) or any(len(b) != nseg for b in bufs):
             raise ValueError("LayerStack: one rope pair, window and buffer list per layer")
+        if not (0 <= first and 0 < n and first + n <= self.n_layers):
+            raise ValueError(f"LayerStack: layers [{first}, {first + n}) outside its "
+                             f"{self.n_layers}")
         xo = torch.empty_like(x)
         scratch = torch.empty(self.scratch_floats(x.shape[0]))
         vp, lng = ctypes.c_void_p, ctypes.c_long

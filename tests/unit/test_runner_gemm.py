@@ -229,3 +229,23 @@ def test_llama_anchor_on_an_f32_conversion(model_paths, tmp_path):
     cases = runner_limits.llama_cases(out, threads=1, ctx=8, steps=2, prompt_tokens=16,
                                       vocab_size=49152)
     assert cases["llama_decode"]() > 0 and cases["llama_prompt"]() > 0
+
+
+def test_layer_stack_refuses_a_range_outside_its_layers():
+    """LayerStack reads its pointer table at `first`: a range past its layers is an error, not
+    a read beyond the table."""
+    k = 64
+    w = {"in_norm": torch.ones(k), "pre_mlp_norm": torch.ones(k),
+         "qkv": kernels.pack(torch.zeros(3 * k, k)), "o": kernels.pack(torch.zeros(k, k)),
+         "gate_up": kernels.pack(torch.zeros(2 * k, k)),
+         "down": kernels.pack(torch.zeros(k, k))}
+    stack = kernels.LayerStack([w, w], k, 1, 1, k, 1e-5, 0.125)
+    batch = kernels.AttentionBatch([0, 1], [1], [0], {None: [(0, None)]})
+    x = torch.zeros(1, k)
+    rope = (torch.ones(1, k), torch.zeros(1, k))
+    buf = torch.zeros(2, 1, 64, k)
+    for first, n in ((1, 2), (2, 1), (-1, 1)):
+        with pytest.raises(ValueError, match="outside"):
+            stack(first, x, [rope] * n, batch, [None] * n, [[buf]] * n)
+    out = stack(0, x, [rope] * 2, batch, [None] * 2, [[buf]] * 2)   # in range: runs
+    assert out.shape == (1, k) and torch.isfinite(out).all()
