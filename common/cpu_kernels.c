@@ -165,8 +165,8 @@ static void block512(const float* x, long K, const float* Wp, long pa, long pb, 
     long p = pa;
 #define TILES(MB, NP)                                                                           \
     case MB:                                                                                    \
-        for (; p + NP <= pb; p += NP) z_##MB##_##NP(x, K, Wp, p, m0, N, bias, y, pf);              \
-        for (; p < pb; p++) z_##MB##_1(x, K, Wp, p, m0, N, bias, y, pf);                           \
+        for (; p + NP <= pb; p += NP) z_##MB##_##NP(x, K, Wp, p, m0, N, bias, y, pf);          \
+        for (; p < pb; p++) z_##MB##_1(x, K, Wp, p, m0, N, bias, y, pf);                       \
         break;
     switch (mb) {
     TILES(1, 4) TILES(2, 2) TILES(3, 2) TILES(4, 2) TILES(5, 2) TILES(6, 2) TILES(7, 2)

@@ -245,9 +245,10 @@ class AttentionBatch:
             self.masks[window] = (ctypes.c_void_p * self.nseg)(*ptrs)
 
     def buffers(self, bufs: list[torch.Tensor]):
-        """One layer's cache buffers [2, nkv, cap, hd], a segment each: (addresses, capacities)."""
-        return ((ctypes.c_void_p * self.nseg)(*[b.data_ptr() for b in bufs]),
-                (ctypes.c_long * self.nseg)(*[b.shape[2] for b in bufs]))
+        """Cache buffers [2, nkv, cap, hd], a segment each (layer after layer for several
+        layers): (addresses, capacities)."""
+        return ((ctypes.c_void_p * len(bufs))(*[b.data_ptr() for b in bufs]),
+                (ctypes.c_long * len(bufs))(*[b.shape[2] for b in bufs]))
 
 
 def attention(qkv: torch.Tensor, nh: int, nkv: int, hd: int, cos: torch.Tensor,
@@ -311,15 +312,14 @@ class LayerStack:
         scratch = torch.empty(self.scratch_floats(x.shape[0]))
         vp, lng = ctypes.c_void_p, ctypes.c_long
         lw = len(LAYER_TENSORS)
+        ptrs, caps = batch.buffers([b for layer in bufs for b in layer])
         out = _lib.tdm_layers(
             n, x.data_ptr(), xo.data_ptr(), x.shape[0],
             ctypes.addressof(self.ptrs) + first * lw * ctypes.sizeof(vp),
             ctypes.addressof(self.dims) + first * 5 * ctypes.sizeof(lng), self.eps,
             (vp * n)(*[c.data_ptr() for c, _ in rope]), (vp * n)(*[s.data_ptr() for _, s in rope]),
             (lng * n)(*[c.shape[-1] for c, _ in rope]), nseg,
-            (vp * n)(*[batch.seg[w].data_ptr() for w in windows]),
-            (vp * (n * nseg))(*[b.data_ptr() for layer in bufs for b in layer]),
-            (lng * (n * nseg))(*[b.shape[2] for layer in bufs for b in layer]),
+            (vp * n)(*[batch.seg[w].data_ptr() for w in windows]), ptrs, caps,
             (vp * n)(*[ctypes.addressof(batch.masks[w]) for w in windows]),
             self.scale, scratch.data_ptr(), torch.get_num_threads())
         return xo if out else x
