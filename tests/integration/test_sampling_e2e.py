@@ -4,11 +4,18 @@ logits processors (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, 
 order) — not the one common/sampling.py computes.
 
 For cloud-only, speculative (pipesd and the vanilla baseline) and split mode, at temperature 0.8
-with and without top-k / top-p (COMBOS), N seeded requests each (TANDEM_SAMPLING_DRAWS, default
-2000):
-* position 0 of a prompt with a flat next-token distribution (17 tokens over 1 %), and
+with and without top-k / top-p (COMBOS), seeded requests:
+* position 0 of a prompt with a flat next-token distribution (17 tokens over 1 %), 1200 draws
+  (TANDEM_SAMPLING_FLAT_DRAWS), and
 * position 1 — in spec mode the first position a draft is verified at — of a prompt whose first
-  token is near-certain (" Celsius", 97-100 %), given that first token (8 tokens over 1 %).
+  token is near-certain (" Celsius", 97-100 %), given that first token (8 tokens over 1 %), 2000
+  draws (TANDEM_SAMPLING_DRAWS).
+Power (tests/integration/sampling_power.py, simulated from transformers' own top-k 20 / top-p
+0.95 distributions, 300 runs each): at position 0 with 1200 draws, drawing with top-p off or
+top-k 10 is rejected in every run, temperature 0.7 instead of 0.8 in 86 % (100 % with 2000
+draws), 0.9 in 14 % (42 %); at position 1 with 2000 draws all four are rejected in every run.
+Position 0 draws fewer to save CI time; position 1, which every mode samples too, keeps the
+full power.
 A chi-square test over the tokens with an expected count of at least 5 (the rest pooled) must
 not reject at p < 1e-4; a token transformers gives probability 0 must never be drawn. Slow:
 minutes per mode.
@@ -34,6 +41,7 @@ from tandem import AsyncClient
 pytestmark = pytest.mark.slow
 
 DRAWS = int(os.environ.get("TANDEM_SAMPLING_DRAWS", "2000"))
+FLAT_DRAWS = int(os.environ.get("TANDEM_SAMPLING_FLAT_DRAWS", "1200"))
 GUMBEL_DRAWS = int(os.environ.get("TANDEM_GUMBEL_DRAWS", "400"))   # every mode draws the same
 FLAT_PROMPT = "My favourite fruit is"            # position 0: many likely tokens
 SURE_PROMPT = "Water boils at 100 degrees"       # position 0 near-certain, position 1 spread
@@ -130,7 +138,7 @@ def test_draws_follow_transformers(cluster, tokenizer, hf_model, mode, config):
     kw = {"top_k": CONFIGS[config].get("top_k", 0), "top_p": CONFIGS[config].get("top_p", 1.0)}
     endpoint = cluster.endpoint("dispatcher")
     flat = tokenizer.encode(FLAT_PROMPT)
-    out = asyncio.run(draws(endpoint, flat, 1, MODES[mode], CONFIGS[config]))
+    out = asyncio.run(draws(endpoint, flat, 1, MODES[mode], CONFIGS[config], FLAT_DRAWS))
     assert all(len(o) == 1 for o in out)
     p0, what0 = chi_square(Counter(o[0] for o in out), transformers_probs(hf_model, flat, **kw))
     sure = tokenizer.encode(SURE_PROMPT)
