@@ -16,6 +16,7 @@ import test_sampling_e2e as t  # noqa: E402
 from common import models  # noqa: E402
 
 RUNS = 300
+TOP_K, TOP_P = (t.CONFIGS["t0.8-topk20-topp0.95"][k] for k in ("top_k", "top_p"))
 
 
 def main() -> None:
@@ -25,21 +26,17 @@ def main() -> None:
     m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     rng = np.random.default_rng(0)
 
-    def probs(ids, temperature, top_k=0, top_p=1.0):
-        t.TEMPERATURE, old = temperature, t.TEMPERATURE
-        try:
-            return t.transformers_probs(m, ids, top_k, top_p)
-        finally:
-            t.TEMPERATURE = old
+    def probs(ids, temperature=t.TEMPERATURE, top_k=TOP_K, top_p=TOP_P):
+        return t.transformers_probs(m, ids, top_k, top_p, temperature)
 
     sure = tok.encode(t.SURE_PROMPT)
-    first = int(np.argmax(probs(sure, 0.8)))
+    first = int(np.argmax(probs(sure)))       # the near-certain first token the test conditions on
     for name, ids in (("position 0 (flat prompt)", tok.encode(t.FLAT_PROMPT)),
                       ("position 1 (sure prompt)", sure + [first])):
-        right = probs(ids, 0.8, 20, 0.95)
-        drawn_from = {"right": right, "T=0.9": probs(ids, 0.9, 20, 0.95),
-                      "T=0.7": probs(ids, 0.7, 20, 0.95), "no top-p": probs(ids, 0.8, 20, 1.0),
-                      "top-k 10": probs(ids, 0.8, 10, 0.95)}
+        right = probs(ids)
+        drawn_from = {"right": right, "T=0.9": probs(ids, temperature=0.9),
+                      "T=0.7": probs(ids, temperature=0.7), "no top-p": probs(ids, top_p=1.0),
+                      "top-k 10": probs(ids, top_k=10)}
         for n in (1000, 1200, 2000):
             cells = []
             for what, q in drawn_from.items():

@@ -78,12 +78,13 @@ def cluster(model_paths, tmp_path_factory):
         c.stop_all()
 
 
-def transformers_probs(hf_model, ids: list[int], top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
+def transformers_probs(hf_model, ids: list[int], top_k: int = 0, top_p: float = 1.0,
+                       temperature: float = TEMPERATURE) -> np.ndarray:
     """The next-token distribution generate(do_sample=True, temperature, top_k, top_p) samples
     from: transformers' forward, then its warpers in generate()'s order."""
     from transformers import (LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper,
                               TopPLogitsWarper)
-    warpers = LogitsProcessorList([TemperatureLogitsWarper(TEMPERATURE)])
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature)])
     if top_k:
         warpers.append(TopKLogitsWarper(top_k))
     if top_p < 1.0:
