@@ -115,8 +115,11 @@ def render_replicas(reps: dict) -> list[str]:
         L += ["", "Placement (least outstanding work, services/dispatcher/placement.py): each "
               "replica's `tandem_sessions` sampled every 0.25 s under load, the gap between two "
               "replicas that were both admitting; *steady* leaves out each restart's window "
-              "(SIGTERM to 6 s after the replica is back, while the sessions it handed back "
-              "turn over):", ""]
+              "(from SIGTERM until every request sent before the replica was back has ended: "
+              "the sessions placed on the other replica meanwhile turn over"
+              + (f"; those ends came {_fmt(v['quiet_after_ready_s'])} s after ready, a request "
+                 f"took {v['request_s_median']} s at the median"
+                 if "quiet_after_ready_s" in v else "") + "):", ""]
         L += _table(["role", "samples", "max gap", "gap ≥ 2", "steady samples",
                      "steady max gap", "steady gap ≥ 2"], rows)
         L.append("")

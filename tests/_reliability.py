@@ -141,6 +141,12 @@ class Stream:
         return ends[0] if ends else None
 
     @property
+    def ended_at(self) -> float | None:
+        """When the end (Done or Error) arrived; None while the request is in flight."""
+        ends = [e.t for e in self.events if isinstance(e.msg, (protocol.Done, protocol.Error))]
+        return ends[0] if ends else None
+
+    @property
     def done(self) -> protocol.Done | None:
         return self.end if isinstance(self.end, protocol.Done) else None
 

@@ -32,9 +32,9 @@ from tests._reliability import Recorder
 
 pytestmark = pytest.mark.slow
 
-# Tokens per request: ~1-2 s of a cloud replica's time, as the balance bound below assumes (with
-# the runner's CPU kernels 16 tokens took half that, and sessions turned over between the two
-# replicas' gauge reads often enough to show a gap of 4).
+# Tokens per request: long enough that sessions overlap on every replica (under this test's
+# load on two cores a request takes ~6 s; with 16 tokens and the runner's CPU kernels they
+# turned over between the two replicas' gauge reads often enough to show a gap of 4).
 N = 32
 CUT = 6                # split requests' cut
 TEXTS = ["The history of the printing press begins", "Once upon a time", "1, 2, 3, 4,",
@@ -174,7 +174,7 @@ def test_rolling_restart_under_load(fleet, prompts, assert_same_tokens):
     recorders = [Recorder(cloud.endpoint("dispatcher"))] + [Recorder(e.endpoint("dispatcher"))
                                                             for e in edges]
     load, sampler = Load(recorders, prompts), Sampler(cloud)
-    restarts, quiet = [], []
+    restarts, restart_windows = [], []
     try:
         sampler.thread.start()
         load.thread.start()
@@ -190,10 +190,8 @@ def test_rolling_restart_under_load(fleet, prompts, assert_same_tokens):
             t_ready = time.monotonic()
             restarts.append({"replica": name, "drain_and_exit_s": round(t_exit - t0, 2),
                              "restart_to_ready_s": round(t_ready - t_exit, 2)})
-            # from SIGTERM until the sessions placed meanwhile have turned over (one request's
-            # length after the replica is back): the gap there is the restart's, not placement's
-            quiet.append((t0, t_ready + 6.0))
-            time.sleep(10.0)                   # 4 s of steady load after each window
+            restart_windows.append((t0, t_ready))
+            time.sleep(10.0)                   # steady load after each restart
         time.sleep(10.0)                       # and a steady phase after the last restart
         t_unload = time.monotonic()
         load.stop.set()
@@ -221,7 +219,14 @@ def test_rolling_restart_under_load(fleet, prompts, assert_same_tokens):
         for r in rs:
             reasons[r] = reasons.get(r, 0) + 1
     errors = len(load.streams) - done
+    # A restart's gap lasts from its SIGTERM until every request sent before the replica was
+    # back has ended: the sessions placed (or replayed) meanwhile all sit on the other replica
+    # until they turn over. Measured, not assumed: on a slow machine a request under this load
+    # takes several seconds. One sampling round more, for the gauges to catch up.
+    quiet = [(t0, max(s.ended_at for _, _, s in load.streams if s.sent_at < t_ready)
+              + sampler.every) for t0, t_ready in restart_windows]
     balance = sampler.imbalance((t_load, t_unload), quiet)
+    seconds = sorted(s.ended_at - s.sent_at for _, _, s in load.streams)
     figures = {
         "replicas": "2 verifier + 2 suffix, 3 dispatchers, 2 requests in flight per dispatcher "
                     f"(cloud-only and split at cut {CUT}, {N} tokens each)",
@@ -232,7 +237,9 @@ def test_rolling_restart_under_load(fleet, prompts, assert_same_tokens):
         "equal_to_transformers": done, "sessions_replayed": recovered,
         "recovery_reasons": reasons,
         "handed_back": sum(handed_back(p.log) for p in cloud.procs.values()),
-        "restarts": restarts, "balance": balance, "drain_s": DRAIN_S,
+        "restarts": restarts, "request_s_median": round(seconds[len(seconds) // 2], 2),
+        "quiet_after_ready_s": [round(q[1] - r[1], 2) for q, r in zip(quiet, restart_windows)],
+        "balance": balance, "drain_s": DRAIN_S,
     }
     rel.record("replicas", "rolling restart of every cloud replica under load", **figures)
     print(figures)
