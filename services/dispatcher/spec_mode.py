@@ -322,9 +322,14 @@ class SpecRun:
         self._reader(self.vch, self.vsrc)
         await self.vch.send(protocol.SpecOpen(sid=self.vsid, seq=OPEN_SEQ, token_ids=req.prompt_ids,
                                               sampling=req.sampling, stream=self.policy.stream))
-        # a drafter seen before and down now is not waited for: the target goes on alone
-        wait = 0.0 if d.drafter.last_seen else min(self.cfg.peer_wait_s, req.remaining())
-        self.drafter_alive = d.drafter.up or await d.drafter.wait_up(wait)
+        # One token wanted: it is the target's own (the last wanted position always is), so no
+        # draft could be used and the drafter's prefill would be wasted edge work. It is opened
+        # anyway when the request may have to go on from the drafter alone (allow_edge_only).
+        wants_drafter = req.max_tokens > 1 or req.msg.allow_edge_only
+        if wants_drafter:
+            # a drafter seen before and down now is not waited for: the target goes on alone
+            wait = 0.0 if d.drafter.last_seen else min(self.cfg.peer_wait_s, req.remaining())
+            self.drafter_alive = d.drafter.up or await d.drafter.wait_up(wait)
         actions = self.sm.start()
         if self.drafter_alive:
             self.dch = d.drafter.channel()
@@ -334,7 +339,7 @@ class SpecRun:
                 top_k=self.cfg.spec.q_width, max_tokens=req.max_tokens,
                 tree_nodes=self._tree_nodes() if self.policy.tree else 0,
                 features=self.policy.trigger == "pipesd-learned"))
-        else:
+        elif wants_drafter:
             log.warning("drafter at %s is down: %s goes on with the target alone",
                         d.drafter.endpoint, req.sid)
             req.stats["drafter_lost"] = True

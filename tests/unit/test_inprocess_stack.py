@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from prometheus_client import REGISTRY
 
 from common.stats import RequestStats
 from tandem.inprocess import BackgroundStack
@@ -50,6 +51,25 @@ def test_spec_equals_transformers(stack, ids, reference, policy):
     r = _gen(stack, ids[0], mode="spec", policy=policy)
     assert r.token_ids == reference(ids[0], N)
     assert r.stats["rounds"] >= 1 and r.stats["draft_tokens"] >= 1   # it did speculate
+
+
+def _drafter_opens() -> float:
+    return REGISTRY.get_sample_value("tandem_messages_total",
+                                     {"service": "drafter", "type": "draft_open"}) or 0.0
+
+
+@pytest.mark.parametrize("policy", ["pipesd", "tree"])
+def test_a_one_token_spec_request_opens_no_drafter_session(stack, ids, reference, policy):
+    """The one token wanted is the target's own, so the drafter is not asked to prefill the
+    prompt: the token equals transformers' and the drafter saw no DraftOpen. Two tokens do
+    open a drafter session (the count would have seen one)."""
+    before = _drafter_opens()
+    for n in (1, 2):
+        r = stack.complete(list(ids[0]), max_tokens=n, stop_at_eos=False, deadline_s=120,
+                           mode="spec", policy=policy)
+        assert r.token_ids == reference(ids[0], n)
+        assert not r.stats.get("drafter_lost"), r.stats
+        assert _drafter_opens() == before + n - 1
 
 
 @pytest.mark.parametrize("policy", ["tree", "tree-stream"])
