@@ -141,7 +141,7 @@ class Sampler:
     def imbalance(self, window: tuple[float, float], quiet: list[tuple[float, float]] = ()) -> dict:
         """Per role, over the samples taken under load (`window`): the largest gap in sessions
         between two replicas that are both admitting (ready), over all of them and outside the
-        restarts' `quiet` windows, and how often the gap was 2 or more."""
+        restarts' `quiet` windows, and how often the gap was 2 (and 3) or more."""
         out = {}
         for role in ("verifier", "suffix"):
             gaps, steady = [], []
@@ -159,6 +159,7 @@ class Sampler:
                          "samples_gap_ge_2": sum(g >= 2 for g in gaps),
                          "steady_samples": len(steady), "steady_max_gap": max(steady, default=0),
                          "steady_samples_gap_ge_2": sum(g >= 2 for g in steady),
+                         "steady_samples_gap_ge_3": sum(g >= 3 for g in steady),
                          "steady_gap_histogram": {str(int(g)): steady.count(g)
                                                   for g in sorted(set(steady))}}
         return out
@@ -244,14 +245,20 @@ def test_rolling_restart_under_load(fleet, prompts, assert_same_tokens):
     rel.record("replicas", "rolling restart of every cloud replica under load", **figures)
     print(figures)
     # placement, outside the restarts' own windows. Placement puts every new session on the
-    # emptiest replica (tests/unit/test_replicas_placement.py: it never widens a gap), but a session
-    # that ends can open one (2 : 1 becomes 2 : 0 until the next arrival for that role) and the
-    # two replicas' gauges are read one after the other; the figures record how often the gap
-    # reached 2, and the test bounds it by what two departures in a row can make.
+    # emptiest replica as its dispatcher sees it (tests/unit/test_replicas_placement.py: it never
+    # widens a gap), but a session that ends can open one (2 : 1 becomes 2 : 0 until the next
+    # arrival for that role; two departures in a row make 3), and three dispatchers see each
+    # other's placements only in the replicas' next heartbeat replies, which a saturated 2-core
+    # machine delays: two arrivals close together at two dispatchers can both go to the replica
+    # that looked emptiest (CI once showed a steady gap of 4 in 8 of 103 samples). So the test
+    # bounds the worst gap by 4 and how often it reaches 3 by a fifth of the steady samples.
+    # Placement blind to load (all on one replica) shows a gap as large as every session of the
+    # role, up to 6, in most samples.
     for role in ("verifier", "suffix"):
         b = balance[role]
         assert b["steady_samples"] > 0, balance
-        assert b["steady_max_gap"] <= 3, balance
+        assert b["steady_max_gap"] <= 4, balance
+        assert b["steady_samples_gap_ge_3"] <= 0.2 * b["steady_samples"], balance
 
 
 @pytest.fixture()
