@@ -23,9 +23,9 @@
 
 #define PW 16   /* output rows per panel: two 8-lane vectors */
 
-void tdm_pack(const float* W, long N, long K, float* Wp) {
+void tdm_pack(const float* W, long N, long K, float* Wp, int threads) {
     long P = (N + PW - 1) / PW;
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
     for (long p = 0; p < P; p++)
         for (long k = 0; k < K; k++)
             for (long j = 0; j < PW; j++) {

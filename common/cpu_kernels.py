@@ -115,7 +115,7 @@ def load() -> ctypes.CDLL | None:
         _why = "; ".join(errors) or "not built"
         return None
     vp, lng = ctypes.c_void_p, ctypes.c_long
-    _lib.tdm_pack.argtypes = [vp, lng, lng, vp]
+    _lib.tdm_pack.argtypes = [vp, lng, lng, vp, ctypes.c_int]
     _lib.tdm_linear.argtypes = [vp, lng, lng, vp, lng, vp, vp, ctypes.c_int]
     _lib.tdm_rms_norm.argtypes = [vp, lng, lng, vp, ctypes.c_float, vp, ctypes.c_int]
     _lib.tdm_add_rms_norm.argtypes = [vp, vp, lng, lng, vp, ctypes.c_float, vp, vp, ctypes.c_int]
@@ -144,7 +144,8 @@ def unavailable() -> str | None:
 
 
 def pack(w: torch.Tensor) -> PanelWeight:
-    """[N, K] fp32 CPU weight -> its panel layout (a copy; `w` may be freed after)."""
+    """[N, K] fp32 CPU weight -> its panel layout (a copy; `w` may be freed after), on torch's
+    threads (a service started with --threads 1 packs on one core too)."""
     lib = load()
     if lib is None:
         raise RuntimeError(f"the CPU kernels are unavailable: {_why}")
@@ -154,7 +155,7 @@ def pack(w: torch.Tensor) -> PanelWeight:
     w = w.contiguous()
     n, k = w.shape
     data = torch.empty((n + PANEL - 1) // PANEL, k, PANEL)
-    lib.tdm_pack(w.data_ptr(), n, k, data.data_ptr())
+    lib.tdm_pack(w.data_ptr(), n, k, data.data_ptr(), torch.get_num_threads())
     return PanelWeight(data, n)
 
 
