@@ -136,15 +136,20 @@ class Stream:
         return [t for e in self.token_events for t in e.msg.token_ids]
 
     @property
+    def end_event(self) -> Event | None:
+        """The first end (Done or Error) and when it arrived; None while in flight."""
+        return next((e for e in self.events
+                     if isinstance(e.msg, (protocol.Done, protocol.Error))), None)
+
+    @property
     def end(self) -> protocol.Msg | None:
-        ends = [e.msg for e in self.events if isinstance(e.msg, (protocol.Done, protocol.Error))]
-        return ends[0] if ends else None
+        e = self.end_event
+        return e.msg if e else None
 
     @property
     def ended_at(self) -> float | None:
-        """When the end (Done or Error) arrived; None while the request is in flight."""
-        ends = [e.t for e in self.events if isinstance(e.msg, (protocol.Done, protocol.Error))]
-        return ends[0] if ends else None
+        e = self.end_event
+        return e.t if e else None
 
     @property
     def done(self) -> protocol.Done | None:
