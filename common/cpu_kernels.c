@@ -262,6 +262,13 @@ static inline float hsum8(__m256 v) {
 /* exp over 8 lanes: Cody-Waite range reduction by ln 2 and Cephes' degree-6 polynomial
  * (about 1 ulp over the float range; expf itself cost 6-10 ns a call, most of SwiGLU's time).
  * Below -88.4 it returns 0, above 88.4 infinity. */
+static inline float hmax8(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
 static inline __m256 exp8(__m256 x) {
     x = _mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f));
     x = _mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f));
@@ -334,6 +341,119 @@ void tdm_silu_mul(const float* gu, long T, long inter, float* y, int threads) {
     }
 }
 
+/* Attention of NH (1-3) consecutive query heads q [NH][hd] that share one K/V head (GQA), over
+ * S keys K, V [S][hd] (vis: NULL, or 0 for a key the queries do not see), written to
+ * dst [NH][hd]; sc: room for NH * (S + 8) scores.
+ *
+ * Each head's arithmetic is what it would be alone (tests/unit/test_runner_gemm.py): a key's
+ * score is one FMA chain over the features (8 lanes) and a horizontal sum; each output feature
+ * one FMA chain over the visible keys in order (a key whose weight underflowed to 0 adds 0 x v,
+ * the same value). What the heads share is the loads: a K row and a V row are read once for
+ * the group, with NH heads' arithmetic on them while the rows PF_KEYS ahead are prefetched.
+ * For a ragged batch the rows come from memory (each session's own cache); a head at a time,
+ * the first head's passes streamed them with little arithmetic per byte and the others re-read
+ * them from cache. The max over the scores runs 8 lanes at a time (exact in any order; the
+ * scalar loop's serial chain took ~8 % of attention). A/B of 30 layers' attention, 15
+ * interleaved reps, a 2-core Intel Xeon VM (AVX-512, 20 GB/s), a head at a time with a scalar
+ * max -> this: 8 sessions at 128-149 tokens 9.01 -> 7.71 ms, one session verifying 8 tokens
+ * 4.01 -> 3.76, decoding one 1.50 -> 1.20; the same bits. */
+#define PF_KEYS 8
+static inline __attribute__((always_inline)) void attend_heads(
+        const float* q, const float* K, const float* V, long S, long hd,
+        const unsigned char* vis, float scale, float* sc, float* dst, const int NH) {
+    long ss = S + 8;
+    /* scores, four keys at a time: NH x 4 independent chains */
+    long j = 0;
+    for (; j + 4 <= S; j += 4) {
+        __m256 a[3][4];
+        for (int g = 0; g < NH; g++)
+            for (int c = 0; c < 4; c++) a[g][c] = _mm256_setzero_ps();
+        const float* k0 = K + j * hd;
+        for (long b = 0; b < 4 * hd; b += 16)
+            _mm_prefetch((const char*)(k0 + PF_KEYS * hd + b), _MM_HINT_T0);
+        for (long d = 0; d < hd; d += 8) {
+            __m256 kd[4];
+            for (int c = 0; c < 4; c++) kd[c] = _mm256_loadu_ps(k0 + c * hd + d);
+            for (int g = 0; g < NH; g++) {
+                __m256 qd = _mm256_loadu_ps(q + g * hd + d);
+                for (int c = 0; c < 4; c++) a[g][c] = _mm256_fmadd_ps(qd, kd[c], a[g][c]);
+            }
+        }
+        for (int g = 0; g < NH; g++)
+            for (int c = 0; c < 4; c++) sc[g * ss + j + c] = hsum8(a[g][c]) * scale;
+    }
+    for (; j < S; j++)
+        for (int g = 0; g < NH; g++) {
+            __m256 acc = _mm256_setzero_ps();
+            for (long d = 0; d < hd; d += 8)
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * hd + d),
+                                      _mm256_loadu_ps(K + j * hd + d), acc);
+            sc[g * ss + j] = hsum8(acc) * scale;
+        }
+    /* per head: the max over the visible keys (8 lanes at a time: a max is exact in any
+     * order), exp(score - max) with masked keys exactly 0, and their sum */
+    float inv[3];
+    for (int g = 0; g < NH; g++) {
+        float* sg = sc + g * ss;
+        if (vis)
+            for (j = 0; j < S; j++)
+                if (!vis[j]) sg[j] = -INFINITY;
+        __m256 vmax = _mm256_set1_ps(-INFINITY);
+        for (j = 0; j + 8 <= S; j += 8)
+            vmax = _mm256_max_ps(_mm256_loadu_ps(sg + j), vmax);   /* NaN: kept out */
+        float mx = hmax8(vmax);
+        for (; j < S; j++)
+            if (sg[j] > mx) mx = sg[j];
+        __m256 vmx = _mm256_set1_ps(mx), vsum = _mm256_setzero_ps();
+        for (j = 0; j + 8 <= S; j += 8) {
+            __m256 v = _mm256_loadu_ps(sg + j);
+            __m256 keep = _mm256_cmp_ps(v, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+            v = _mm256_and_ps(exp8(_mm256_sub_ps(v, vmx)), keep);
+            _mm256_storeu_ps(sg + j, v);
+            vsum = _mm256_add_ps(vsum, v);
+        }
+        float sum = hsum8(vsum);
+        for (; j < S; j++) {
+            sg[j] = sg[j] == -INFINITY ? 0.0f : exp1(sg[j] - mx);
+            sum += sg[j];
+        }
+        inv[g] = 1.0f / sum;
+    }
+    /* out = sum_j p_j V_j / sum, 32 features of every head in registers while V streams */
+    for (long d0 = 0; d0 < hd; d0 += 32) {
+        int nc = hd - d0 >= 32 ? 4 : (int)((hd - d0) / 8);
+        __m256 acc[3][4];
+        for (int g = 0; g < NH; g++)
+            for (int c = 0; c < 4; c++) acc[g][c] = _mm256_setzero_ps();
+        for (long jj = 0; jj < S; jj++) {
+            if (vis && !vis[jj]) continue;
+            const float* vr = V + jj * hd + d0;
+            if (d0 == 0)
+                for (long b = 0; b < hd; b += 16)
+                    _mm_prefetch((const char*)(V + (jj + PF_KEYS) * hd + b), _MM_HINT_T0);
+            if (nc == 4) {
+                __m256 vd[4];
+                for (int c = 0; c < 4; c++) vd[c] = _mm256_loadu_ps(vr + 8 * c);
+                for (int g = 0; g < NH; g++) {
+                    __m256 pv = _mm256_set1_ps(sc[g * ss + jj]);
+                    for (int c = 0; c < 4; c++) acc[g][c] = _mm256_fmadd_ps(pv, vd[c], acc[g][c]);
+                }
+            } else {
+                for (int g = 0; g < NH; g++) {
+                    __m256 pv = _mm256_set1_ps(sc[g * ss + jj]);
+                    for (int c = 0; c < nc; c++)
+                        acc[g][c] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vr + 8 * c), acc[g][c]);
+                }
+            }
+        }
+        for (int g = 0; g < NH; g++) {
+            __m256 vinv = _mm256_set1_ps(inv[g]);
+            for (int c = 0; c < nc; c++)
+                _mm256_storeu_ps(dst + g * hd + d0 + 8 * c, _mm256_mul_ps(acc[g][c], vinv));
+        }
+    }
+}
+
 /* One layer's attention for a ragged batch of segments (sessions), after the q|k|v product.
  *
  *   qkv   [T, row] rows of the product; q at column 0 ([nh, hd]), k at nh*hd, v at (nh+nkv)*hd
@@ -380,12 +500,16 @@ void tdm_attention(const float* qkv_in, long T, long row, long nh, long nkv, lon
             }
         }
         /* the implicit barrier of `omp for`: every cache row is written before any is read */
-        /* an item: one new token of a segment against one K/V head, for each query head of
-         * its group in turn, so the group's K/V rows come from memory once and from cache for
-         * the other heads (an item per query head read them `groups` times). With the score
-         * and value loops below, 30 layers' attention, a 2-core AMD EPYC (Zen 1) VM, 9
-         * interleaved reps: 8 sessions at 128-149 tokens 14.7 -> 10.5 ms, one session
-         * verifying 8 tokens 9.5 -> 6.1 ms, decoding one 3.1 -> 3.1 ms */
+        /* an item: one new token of a segment against one K/V head and the query heads of
+         * its group (attend_heads, up to 3 at a time), so each K and V row is read once for
+         * the group, from memory, with the group's arithmetic on it while the next rows
+         * stream in (a head at a time streamed the rows for the first head, then re-read them
+         * from cache for the others) */
+        long smax = 0;   /* the most keys a segment's tokens see: one score buffer a thread */
+        for (long s = 0; s < nseg; s++)
+            if (seg[4 * s + 2] + seg[4 * s + 1] - seg[4 * s + 3] > smax)
+                smax = seg[4 * s + 2] + seg[4 * s + 1] - seg[4 * s + 3];
+        float* sc = malloc(sizeof(float) * (size_t)(3 * (smax + 8)));
         #pragma omp for schedule(dynamic, 1)
         for (long item = 0; item < (T * nkv); item++) {
             long t = item / nkv, kvh = item % nkv, s = 0;
@@ -394,87 +518,17 @@ void tdm_attention(const float* qkv_in, long T, long row, long nh, long nkv, lon
             long i = t - off, S = p + seg[4 * s + 1] - first;
             const float* K = kv[s] + (kvh * cap[s] + first) * hd;
             const float* V = kv[s] + ((nkv + kvh) * cap[s] + first) * hd;
-            float* sc = malloc(sizeof(float) * (size_t)(S + 8 + hd));
-            float* o = sc + S + 8;
-            for (long h = kvh * groups; h < (kvh + 1) * groups; h++) {
+            const unsigned char* vis = mask[s] ? mask[s] + i * S : NULL;
+            for (long h = kvh * groups; h < (kvh + 1) * groups; h += 3) {
+                long hs = (kvh + 1) * groups - h < 3 ? (kvh + 1) * groups - h : 3;
                 const float* q = qkv + (off + i) * row + h * hd;
-                const unsigned char* vis = mask[s] ? mask[s] + i * S : NULL;
-                /* scores of four keys at a time: four independent FMA chains where one key's
-                 * chain waited on each FMA's latency; each key's chain is the same */
-                long j = 0;
-                for (; j + 4 <= S; j += 4) {
-                    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-                    const float* k0 = K + j * hd;
-                    for (long d = 0; d < hd; d += 8) {
-                        __m256 qd = _mm256_loadu_ps(q + d);
-                        a0 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k0 + d), a0);
-                        a1 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k0 + hd + d), a1);
-                        a2 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k0 + 2 * hd + d), a2);
-                        a3 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k0 + 3 * hd + d), a3);
-                    }
-                    sc[j] = hsum8(a0) * scale;
-                    sc[j + 1] = hsum8(a1) * scale;
-                    sc[j + 2] = hsum8(a2) * scale;
-                    sc[j + 3] = hsum8(a3) * scale;
-                }
-                for (; j < S; j++) {
-                    __m256 acc = _mm256_setzero_ps();
-                    for (long d = 0; d < hd; d += 8)
-                        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(K + j * hd + d), acc);
-                    sc[j] = hsum8(acc) * scale;
-                }
-                float mx = -INFINITY;
-                for (j = 0; j < S; j++) {
-                    if (vis && !vis[j]) sc[j] = -INFINITY;
-                    else if (sc[j] > mx) mx = sc[j];
-                }
-                /* exp(score - max), masked keys exactly 0 */
-                j = 0;
-                __m256 vmx = _mm256_set1_ps(mx), vsum = _mm256_setzero_ps();
-                for (; j + 8 <= S; j += 8) {
-                    __m256 v = _mm256_loadu_ps(sc + j);
-                    __m256 keep = _mm256_cmp_ps(v, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-                    v = _mm256_and_ps(exp8(_mm256_sub_ps(v, vmx)), keep);
-                    _mm256_storeu_ps(sc + j, v);
-                    vsum = _mm256_add_ps(vsum, v);
-                }
-                float sum = hsum8(vsum);
-                for (; j < S; j++) {
-                    sc[j] = sc[j] == -INFINITY ? 0.0f : exp1(sc[j] - mx);
-                    sum += sc[j];
-                }
-                /* out = sum_j p_j V_j / sum, streaming V row by row: 64 features at a time
-                 * in registers (a chain per feature over the keys, as before, without a load
-                 * and a store of o for every key), the rest through o */
-                long d0 = 0;
-                for (; d0 + 64 <= hd; d0 += 64) {
-                    __m256 acc[8];
-                    for (int c = 0; c < 8; c++) acc[c] = _mm256_setzero_ps();
-                    for (long jj = 0; jj < S; jj++) {
-                        if (sc[jj] == 0.0f) continue;
-                        __m256 pv = _mm256_set1_ps(sc[jj]);
-                        const float* vr = V + jj * hd + d0;
-                        for (int c = 0; c < 8; c++)
-                            acc[c] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vr + 8 * c), acc[c]);
-                    }
-                    for (int c = 0; c < 8; c++) _mm256_storeu_ps(o + d0 + 8 * c, acc[c]);
-                }
-                for (long d = d0; d < hd; d++) o[d] = 0.0f;
-                for (long jj = 0; d0 < hd && jj < S; jj++) {
-                    if (sc[jj] == 0.0f) continue;
-                    __m256 pv = _mm256_set1_ps(sc[jj]);
-                    const float* vr = V + jj * hd;
-                    for (long d = d0; d < hd; d += 8)
-                        _mm256_storeu_ps(o + d, _mm256_fmadd_ps(pv, _mm256_loadu_ps(vr + d),
-                                                                _mm256_loadu_ps(o + d)));
-                }
                 float* dst = out + (off + i) * nh * hd + h * hd;
-                __m256 inv = _mm256_set1_ps(1.0f / sum);
-                for (long d = 0; d < hd; d += 8)
-                    _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_loadu_ps(o + d), inv));
+                if (hs == 3) attend_heads(q, K, V, S, hd, vis, scale, sc, dst, 3);
+                else if (hs == 2) attend_heads(q, K, V, S, hd, vis, scale, sc, dst, 2);
+                else attend_heads(q, K, V, S, hd, vis, scale, sc, dst, 1);
             }
-            free(sc);
         }
+        free(sc);
     }
 }
 

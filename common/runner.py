@@ -101,6 +101,7 @@ class SessionKV:
         self.device = torch.device(device)
         self.bufs: list[torch.Tensor | None] = [None] * (hi - lo)  # [2, kv_heads, capacity, head_dim]
         self.lens = [0] * (hi - lo)
+        self.caps = [0] * (hi - lo)   # bufs[i].shape[2] (0: not allocated)
 
     def length(self, layer: int | None = None) -> int:
         """Tokens cached at `layer` (default lo). Layers of one range differ only mid-cascade."""
@@ -130,6 +131,13 @@ class SessionKV:
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.bufs if b is not None)
 
+    def reserve(self, a: int, b: int, n_total: int) -> None:
+        """Room for n_total tokens at layers [a, b) (of the model's numbering)."""
+        i0, i1 = a - self.lo, b - self.lo
+        if min(self.caps[i0:i1]) < n_total:   # one check a forward on the hot path
+            for i in range(i0, i1):
+                self._reserve(i, n_total)
+
     def _reserve(self, i: int, n_total: int) -> torch.Tensor:
         """Buffer of layer lo+i with room for n_total tokens; doubles so appends are amortised O(1)."""
         buf = self.bufs[i]
@@ -140,6 +148,7 @@ class SessionKV:
             if buf is not None:
                 new[:, :, : self.lens[i]] = buf[:, :, : self.lens[i]]
             self.bufs[i] = buf = new
+            self.caps[i] = cap
         return buf
 
 
@@ -637,8 +646,7 @@ class LayerRangeRunner:
         # Room for the new tokens at every layer up front; lengths move only after the last
         # layer, so a call that fails midway leaves every cache as it was.
         for s, p, n in zip(segments, starts, sizes):
-            for i in range(a - s.kv.lo, b - s.kv.lo):
-                s.kv._reserve(i, p + n)
+            s.kv.reserve(a, b, p + n)
         batch = (kernels.AttentionBatch(offsets, sizes, starts, masks)
                  if self._kernel_attention else None)
         if self._kernel_layers is not None:

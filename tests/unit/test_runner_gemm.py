@@ -191,6 +191,51 @@ def test_kernel_norm_and_swiglu_track_torch():
     assert (kernels.silu_mul(gu).double() - want).abs().max().item() < 1e-5
 
 
+def _attend(q_heads, k, v, cache, p, mask, cos, sin):
+    """kernels.attention for one segment of n new tokens at cache position p: q_heads
+    [n, nh, hd] sharing one K/V head (k, v [n, hd]); cache [2, 1, cap, hd] is copied first."""
+    assert kernels.load() is not None, kernels.unavailable()
+    n, nh, hd = q_heads.shape
+    qkv = torch.cat((q_heads.reshape(n, nh * hd), k, v), dim=1).contiguous()
+    buf = cache.clone()
+    batch = kernels.AttentionBatch([0, n], [n], [p], {None: [(0, mask)]})
+    return kernels.attention(qkv, nh, 1, hd, cos, sin, batch, None, [buf], 0.125)
+
+
+@pytest.mark.parametrize("nh", [1, 3, 4, 8])
+def test_attention_gives_each_query_head_the_bits_it_has_alone(nh):
+    """Attention works on the query heads of a K/V group together (each K and V row read once
+    for them); every head's output must be the same bits as that head run alone, for decode
+    (no mask) and for a verification with masked keys, past the 4-key and 32-feature blocks."""
+    g = torch.Generator().manual_seed(11)
+    hd, p, cap = 64, 37, 64
+    cache = torch.randn(2, 1, cap, hd, generator=g)
+    for n in (1, 6):
+        q = torch.randn(n, nh, hd, generator=g) * 2
+        k, v = torch.randn(n, hd, generator=g), torch.randn(n, hd, generator=g)
+        angle = torch.rand(n, hd, generator=g) * 6
+        cos, sin = angle.cos().contiguous(), angle.sin().contiguous()
+        mask = None
+        if n > 1:
+            mask = torch.arange(p + n)[None, :] <= torch.arange(p, p + n)[:, None]
+            mask[2, 5] = False   # a cached key one token does not see (as a tree would)
+        together = _attend(q, k, v, cache, p, mask, cos, sin).view(n, nh, hd)
+        for h in range(nh):
+            alone = _attend(q[:, h: h + 1], k, v, cache, p, mask, cos, sin)
+            assert torch.equal(together[:, h], alone), (nh, n, h)
+        # and the outputs are attention: softmax(q k^T / 8) v against float64 (RoPE on q, k)
+        def rope(x, cos=cos, sin=sin):
+            half = hd // 2
+            return x * cos[:, None] + torch.cat((-x[..., half:], x[..., :half]), -1) * sin[:, None]
+        keys = torch.cat((cache[0, 0, :p], rope(k[:, None])[:, 0])).double()
+        vals = torch.cat((cache[1, 0, :p], v)).double()
+        s = torch.einsum("nhd,sd->nhs", rope(q).double(), keys) * 0.125
+        if mask is not None:
+            s = s.masked_fill(~mask[:, None], float("-inf"))
+        want = torch.einsum("nhs,sd->nhd", torch.softmax(s, -1), vals)
+        assert (together.double() - want).abs().max().item() < 1e-5
+
+
 def test_read_bandwidth_case_measures_a_bandwidth():
     sample = runner_limits.read_bandwidth_case(8 << 20)
     assert 1e8 < sample() < 1e13   # bytes/s: a sample, not a unit mix-up
