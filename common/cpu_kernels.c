@@ -42,7 +42,7 @@ void tdm_pack(const float* W, long N, long K, float* Wp, int threads) {
 
 /* Rows [m0, m0 + MB) of x against panels [p0, p0 + NP) at one vector width: V vectors of
  * LANES floats a panel (AVX2 2 x 8, AVX-512 1 x 16), MB * NP * V accumulators (AVX2: at most
- * 12 of the 16 ymm registers; AVX-512: 16 of 32 zmm), the rest hold W and the broadcast. Tiles
+ * 12 of the 16 ymm registers; AVX-512: 24 of 32 zmm), the rest hold W and the broadcast. Tiles
  * of PF_ROWS rows or more prefetch: PREFETCH_K ahead in their own panels, or, given pf > 0,
  * the same lines pf panels on (the next chunk of tdm_linear's chunked pass; a prefetch past
  * the thread's panels or the array reads a line for nothing, it never faults). */
@@ -142,10 +142,15 @@ static double NAME(long iters, int threads) {                                   
 
 /* ---------------------------------------------------------------------------------------------
  * The same products with AVX-512 where the CPU has it (chosen at run time, tdm_isa): a panel's
- * k step is one 16-lane load, and 32 registers hold an 8-row by 2-panel tile (16 accumulators;
- * AVX2's 16 ymm registers cannot, its widest is 6 rows by 1 panel), so up to 8 rows (a ragged
- * decode batch of 8, an 8-token verification) share one pass over the weights where AVX2's
- * 6-row tiles read them twice. Each output is the same sequential FMA chain as the AVX2
+ * k step is one 16-lane load, and 32 registers hold an 8-row by 3-panel tile (24 accumulators,
+ * 3 loads of W and a broadcast; AVX2's 16 ymm registers cannot, its widest is 6 rows by 1
+ * panel), so up to 8 rows (a ragged decode batch of 8, an 8-token verification) share one pass
+ * over the weights where AVX2's 6-row tiles read them twice. Three panels a tile rather than
+ * two: 24 FMAs for every 11 loads instead of 16 for 10, and one tile a PANEL_CHUNK. A/B of a
+ * decode step's products (random weights of SmolLM2's shapes), 9 interleaved reps, a 2-core
+ * Intel Xeon VM (AVX-512, 20 GB/s), 7 x 2 and 8 x 2 tiles -> 7 x 3 and 8 x 3: 7 rows 32.3 ->
+ * 30.2 ms, 8 rows 33.3 -> 30.0 (15 reps: 32.1 -> 28.7), 9 rows 43.5 -> 40.5, 16 rows 53.0 ->
+ * 46.0, 33 rows 97.0 -> 80.8. Each output is the same sequential FMA chain as the AVX2
  * kernel's, so the two give the same bits (tests/unit/test_runner_gemm.py).
  * ------------------------------------------------------------------------------------------ */
 #pragma GCC push_options
@@ -156,7 +161,7 @@ static double NAME(long iters, int threads) {                                   
                                _mm512_storeu_ps, _mm512_set1_ps, _mm512_fmadd_ps, MB, NP)
 KERNEL512(1, 4) KERNEL512(1, 1) KERNEL512(2, 2) KERNEL512(2, 1) KERNEL512(3, 2) KERNEL512(3, 1)
 KERNEL512(4, 2) KERNEL512(4, 1) KERNEL512(5, 2) KERNEL512(5, 1) KERNEL512(6, 2) KERNEL512(6, 1)
-KERNEL512(7, 2) KERNEL512(7, 1) KERNEL512(8, 2) KERNEL512(8, 1)
+KERNEL512(7, 3) KERNEL512(7, 1) KERNEL512(8, 3) KERNEL512(8, 1)
 
 /* block() for AVX-512, mb <= 8: the tile of mb rows as wide as the registers allow, then
  * one-panel tiles for what is left. */
@@ -169,8 +174,8 @@ static void block512(const float* x, long K, const float* Wp, long pa, long pb, 
         for (; p < pb; p++) z_##MB##_1(x, K, Wp, p, m0, N, bias, y, pf);                       \
         break;
     switch (mb) {
-    TILES(1, 4) TILES(2, 2) TILES(3, 2) TILES(4, 2) TILES(5, 2) TILES(6, 2) TILES(7, 2)
-    TILES(8, 2)
+    TILES(1, 4) TILES(2, 2) TILES(3, 2) TILES(4, 2) TILES(5, 2) TILES(6, 2) TILES(7, 3)
+    TILES(8, 3)
     }
 #undef TILES
 }
@@ -204,10 +209,11 @@ void tdm_linear(const float* x, long M, long K, const float* Wp, long N, const f
                 float* y, int threads) {
     long P = (N + PW - 1) / PW;
     if (threads > P) threads = (int)P;
-    /* AVX-512 from 7 rows on, where its 8-row tile reads the weights once for a batch of 7-8
+    /* AVX-512 from 7 rows on, where its 8-row tiles read the weights once for a batch of 7-8
      * rows (AVX2 reads them twice: a 6-row tile and the rest); below that AVX2's tiles already
      * cover every row in one pass and measured no faster. A/B of a decode step's products, 7
-     * interleaved reps, a 2-core AMD EPYC (Zen 4) VM, AVX2 -> AVX-512: 7 rows 25.9 -> 22.5 ms,
+     * interleaved reps, a 2-core AMD EPYC (Zen 4) VM, AVX2 -> AVX-512 (8 x 2 tiles, before the
+     * 8 x 3 ones): 7 rows 25.9 -> 22.5 ms,
      * 8 rows 26.2 -> 23.0, 9 rows 29.3 -> 28.3, 12 rows 30.8 -> 30.5, 16 rows 40.3 -> 41.2,
      * 32 rows 59.0 -> 54.9; AVX-512 for 4-6 rows (4 x 2, 5 x 2, 6 x 2 tiles) was 7-11 % slower
      * in an earlier run, 1-2 rows the same. */
