@@ -1,6 +1,6 @@
 /* The runner's CPU matrix product (common/cpu_kernels.py builds and loads this file):
  *
- *     y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N])     fp32, AVX2 + FMA (AVX-512 from 7 rows
+ *     y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N])     fp32, AVX2 + FMA (AVX-512 from 4 rows
  *                                                   where the CPU has it), OpenMP
  *
  * W is stored once, at load, as panels of 16 output rows, k-major inside a panel:
@@ -156,11 +156,12 @@ static double NAME(long iters, int threads) {                                   
 #pragma GCC push_options
 #pragma GCC target("avx512f")
 
-/* prefetching from 7 rows: only the full tiles, the remainder's pass is memory-bound */
-#define KERNEL512(MB, NP) TILE(z, __m512, 16, 1, 7, _mm512_setzero_ps, _mm512_loadu_ps,          \
+/* prefetching from 4 rows (the A/B above, 9 reps: 4 rows 33.3 -> 30.7 ms, 6 rows 34.3 ->
+ * 30.7, 12 rows 41.0 -> 41.6) */
+#define KERNEL512(MB, NP) TILE(z, __m512, 16, 1, 4, _mm512_setzero_ps, _mm512_loadu_ps,          \
                                _mm512_storeu_ps, _mm512_set1_ps, _mm512_fmadd_ps, MB, NP)
 KERNEL512(1, 4) KERNEL512(1, 1) KERNEL512(2, 2) KERNEL512(2, 1) KERNEL512(3, 2) KERNEL512(3, 1)
-KERNEL512(4, 2) KERNEL512(4, 1) KERNEL512(5, 2) KERNEL512(5, 1) KERNEL512(6, 2) KERNEL512(6, 1)
+KERNEL512(4, 3) KERNEL512(4, 1) KERNEL512(5, 3) KERNEL512(5, 1) KERNEL512(6, 3) KERNEL512(6, 1)
 KERNEL512(7, 3) KERNEL512(7, 1) KERNEL512(8, 3) KERNEL512(8, 1)
 
 /* block() for AVX-512, mb <= 8: the tile of mb rows as wide as the registers allow, then
@@ -174,7 +175,7 @@ static void block512(const float* x, long K, const float* Wp, long pa, long pb, 
         for (; p < pb; p++) z_##MB##_1(x, K, Wp, p, m0, N, bias, y, pf);                       \
         break;
     switch (mb) {
-    TILES(1, 4) TILES(2, 2) TILES(3, 2) TILES(4, 2) TILES(5, 2) TILES(6, 2) TILES(7, 3)
+    TILES(1, 4) TILES(2, 2) TILES(3, 2) TILES(4, 3) TILES(5, 3) TILES(6, 3) TILES(7, 3)
     TILES(8, 3)
     }
 #undef TILES
@@ -209,15 +210,19 @@ void tdm_linear(const float* x, long M, long K, const float* Wp, long N, const f
                 float* y, int threads) {
     long P = (N + PW - 1) / PW;
     if (threads > P) threads = (int)P;
-    /* AVX-512 from 7 rows on, where its 8-row tiles read the weights once for a batch of 7-8
-     * rows (AVX2 reads them twice: a 6-row tile and the rest); below that AVX2's tiles already
-     * cover every row in one pass and measured no faster. A/B of a decode step's products, 7
+    /* AVX-512 from 4 rows on: its 8-row tiles read the weights once for a batch of 7-8 rows
+     * (AVX2 reads them twice: a 6-row tile and the rest), and its 4-6 row tiles cover three
+     * panels where AVX2's cover one. A/B of a decode step's products, 11 interleaved reps, a
+     * 2-core Intel Xeon VM (AVX-512, 20 GB/s), AVX2 -> AVX-512 x 3 tiles (without prefetch): 4
+     * rows 40.2 -> 33.5 ms, 6 rows 43.0 -> 35.8; 1-3 rows stay AVX2 (2-3 rows measured within
+     * the noise). Not measured on Zen 4, where 4 x 2 - 6 x 2 tiles were 7-11 % slower than
+     * AVX2 (below). A/B of a decode step's products, 7
      * interleaved reps, a 2-core AMD EPYC (Zen 4) VM, AVX2 -> AVX-512 (8 x 2 tiles, before the
      * 8 x 3 ones): 7 rows 25.9 -> 22.5 ms,
      * 8 rows 26.2 -> 23.0, 9 rows 29.3 -> 28.3, 12 rows 30.8 -> 30.5, 16 rows 40.3 -> 41.2,
      * 32 rows 59.0 -> 54.9; AVX-512 for 4-6 rows (4 x 2, 5 x 2, 6 x 2 tiles) was 7-11 % slower
      * in an earlier run, 1-2 rows the same. */
-    int wide = M >= 7 && tdm_isa() == 512;
+    int wide = M >= 4 && tdm_isa() == 512;
     long mb_max = wide ? 8 : 6;   /* rows per tile */
     void (*blk)(const float*, long, const float*, long, long, long, long, long, const float*,
                 float*, long) = wide ? block512 : block;

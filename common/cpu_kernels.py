@@ -1,4 +1,4 @@
-"""The runner's CPU kernels: common/cpu_kernels.c (fp32, AVX2 + FMA, OpenMP; products of 7 rows or
+"""The runner's CPU kernels: common/cpu_kernels.c (fp32, AVX2 + FMA, OpenMP; products of 4 rows or
 more in AVX-512 where the CPU has it, chosen at run time: `isa()`), built once with
 the system C compiler and called through ctypes: the products on panel-packed weights, RMSNorm,
 residual + norm, SwiGLU, one layer's attention for a ragged batch, and whole pre-norm SwiGLU

@@ -74,7 +74,7 @@ def test_a_row_gives_the_same_bits_in_any_batch():
 
 
 def test_avx512_and_avx2_products_give_the_same_bits(isa):
-    """The AVX-512 tiles (7 rows on) run the same FMA chain per output as AVX2's: a session's
+    """The AVX-512 tiles (4 rows on) run the same FMA chain per output as AVX2's: a session's
     logits do not depend on the CPU's vector width or on the batch it lands in."""
     if isa(512) != 512:
         pytest.skip("this CPU has no AVX-512F")
