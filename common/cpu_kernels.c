@@ -216,12 +216,11 @@ void tdm_linear(const float* x, long M, long K, const float* Wp, long N, const f
      * 2-core Intel Xeon VM (AVX-512, 20 GB/s), AVX2 -> AVX-512 x 3 tiles (without prefetch): 4
      * rows 40.2 -> 33.5 ms, 6 rows 43.0 -> 35.8; 1-3 rows stay AVX2 (2-3 rows measured within
      * the noise). Not measured on Zen 4, where 4 x 2 - 6 x 2 tiles were 7-11 % slower than
-     * AVX2 (below). A/B of a decode step's products, 7
-     * interleaved reps, a 2-core AMD EPYC (Zen 4) VM, AVX2 -> AVX-512 (8 x 2 tiles, before the
-     * 8 x 3 ones): 7 rows 25.9 -> 22.5 ms,
-     * 8 rows 26.2 -> 23.0, 9 rows 29.3 -> 28.3, 12 rows 30.8 -> 30.5, 16 rows 40.3 -> 41.2,
-     * 32 rows 59.0 -> 54.9; AVX-512 for 4-6 rows (4 x 2, 5 x 2, 6 x 2 tiles) was 7-11 % slower
-     * in an earlier run, 1-2 rows the same. */
+     * AVX2 (below). The earlier A/B, from 7 rows, 7 interleaved reps, a 2-core AMD EPYC (Zen
+     * 4) VM, AVX2 -> AVX-512 (8 x 2 tiles): 7 rows 25.9 -> 22.5 ms, 8 rows 26.2 -> 23.0, 9 rows
+     * 29.3 -> 28.3, 12 rows 30.8 -> 30.5, 16 rows 40.3 -> 41.2, 32 rows 59.0 -> 54.9; AVX-512
+     * for 4-6 rows (4 x 2, 5 x 2, 6 x 2 tiles) was 7-11 % slower in an earlier run, 1-2 rows
+     * the same. */
     int wide = M >= 4 && tdm_isa() == 512;
     long mb_max = wide ? 8 : 6;   /* rows per tile */
     void (*blk)(const float*, long, const float*, long, long, long, long, long, const float*,
