@@ -102,6 +102,9 @@ ERRORS = Counter("tandem_errors_total", "Error replies and failures by stable co
                  ["service", "code"])
 FORWARD = Histogram("tandem_forward_seconds", "Model forward-call duration by phase",
                     ["service", "phase"], buckets=LATENCY)
+PROMPT_CACHE = Counter("tandem_prompt_cache_tokens_total",
+                       "Prompt tokens whose KV a reused context held already (hit) or that were "
+                       "evaluated (miss)", ["service", "outcome"])
 FORWARD_TOKENS = Histogram("tandem_forward_batch_tokens", "Tokens in one forward call",
                            ["service", "phase"], buckets=SIZE)
 FORWARD_SESSIONS = Histogram("tandem_forward_batch_sessions",
@@ -211,6 +214,13 @@ def declare_forward(service: str, phases: tuple[str, ...], token_phases: tuple[s
     for phase in token_phases or phases:
         FORWARD_TOKENS.labels(service, phase)
         FORWARD_SESSIONS.labels(service, phase)
+
+
+def declare_drafter(service: str) -> None:
+    for phase in ("prefill", "draft"):
+        FORWARD.labels(service, phase)
+    for outcome in ("hit", "miss"):
+        PROMPT_CACHE.labels(service, outcome)
 
 
 def declare_verifier(service: str) -> None:

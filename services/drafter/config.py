@@ -11,6 +11,10 @@ class DrafterConfig(ServiceConfig):
     n_batch: int = setting(256, "prompt tokens evaluated per llama.cpp decode call", ge=1)
     max_lookahead: int = setting(
         128, "one request never lets a session draft more than this past its end", ge=1)
+    context_pool: int = setting(
+        4, "closed sessions' contexts kept for new ones, with their prompt's KV (a new session of "
+        "the same context size skips creating one and evaluating the prompt it shares); 0: "
+        "free each at close", ge=0)
     max_sessions: int = setting(64, "contexts held at once (each ~25 MB per 1k tokens of context)", ge=1)
     max_tree_nodes: int = setting(
         64, "most nodes one token-tree round may have (DraftOpen.tree_nodes asks up to this)",

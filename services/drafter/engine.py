@@ -15,6 +15,15 @@ never depend on timing), reads the last logits row and appends one draft token.
 from there, so drafts after a rollback are exactly those of a session that never drafted past
 `keep` (tests/integration/test_drafter.py checks it).
 
+Contexts outlive their sessions (DraftModel.take / give_back): creating one costs ~20 ms and a
+short prompt's evaluation ~40 ms on a 2-core CPU, more than the few tokens a short request
+drafts. A closed session's context goes back to a small pool with the KV of its prompt; the next
+session of the same context size takes the one that shares most of its prompt, and evaluates only
+the rest. Reuse is exact — the KV kept is bit for bit what evaluating the new prompt would give —
+because only whole chunks of the same tokens at the same positions are kept (a prompt is
+evaluated in `n_batch` chunks from position 0, and llama.cpp's batched kernels may round a token
+differently in a chunk of another length), or the whole prompt when it is the same prompt.
+
 Token trees (issue #14; DraftSession.tree_begin / tree_step): a session opened with
 `tree_nodes` > 0 gets a unified KV cache with tree_nodes + 1 sequences and room for the nodes.
 Sequence 0 is the session's context; a tree round grows one depth per llama_decode, every node
@@ -123,10 +132,33 @@ class TreeDepth:
     q_probs: np.ndarray | None = None
 
 
+@dataclass
+class _Context:
+    """A llama.cpp context with its batch, and what its KV cache holds between sessions."""
+    ctx: object
+    mem: object
+    batch: object
+    key: tuple            # (n_ctx, n_batch, n_seq_max, kv_unified): contexts of one key are alike
+    cached: list[int]     # sequence 0 holds these tokens at positions 0.., evaluated as a prompt
+
+
+def reusable_prefix(cached: list[int], head: list[int], n_batch: int) -> int:
+    """How many of `cached`'s KV cells a prompt whose evaluated part is `head` can keep, exactly:
+    all of them for the same tokens, else the whole `n_batch` chunks the two have in common."""
+    n = 0
+    for a, b in zip(cached, head):
+        if a != b:
+            break
+        n += 1
+    if n == len(cached) == len(head):
+        return n
+    return n // n_batch * n_batch
+
+
 class DraftModel:
     """A GGUF model loaded once and shared by every session's context."""
 
-    def __init__(self, path: str, threads: int = 0, verbose: bool = False):
+    def __init__(self, path: str, threads: int = 0, verbose: bool = False, pool: int = 0):
         _init_backend(verbose)
         mparams = L.llama_model_default_params()
         mparams.n_gpu_layers = 0
@@ -138,6 +170,62 @@ class DraftModel:
         self.n_vocab = int(L.llama_vocab_n_tokens(self.vocab))
         self.n_ctx_train = int(L.llama_model_n_ctx_train(self.model))
         self.threads = threads
+        self.pool = max(0, int(pool))      # idle contexts kept; 0: every context freed at close
+        self.idle: list[_Context] = []     # least recently returned first
+        self.lock = threading.Lock()       # sessions open on the event loop, may close elsewhere
+
+    def take(self, key: tuple, head: list[int]) -> tuple[_Context, int]:
+        """A context of this key for a prompt whose evaluated part is `head`, and how many of
+        `head`'s tokens its KV holds already: the idle one that holds most, else a new one."""
+        with self.lock:
+            best, keep = None, -1
+            for c in self.idle:
+                if c.key == key:
+                    n = reusable_prefix(c.cached, head, key[1])
+                    if n >= keep:                  # ties: the most recently returned
+                        best, keep = c, n
+            if best is not None:
+                self.idle.remove(best)
+        if best is None:
+            return self._new_context(key), 0
+        if keep == 0:
+            L.llama_memory_clear(best.mem, True)
+        elif not L.llama_memory_seq_rm(best.mem, 0, keep, -1):
+            L.llama_memory_clear(best.mem, True)
+            keep = 0
+        best.cached = head[:keep]
+        return best, keep
+
+    def give_back(self, c: _Context) -> None:
+        """Keep a closed session's context for the next sessions (the oldest idle one is freed
+        when the pool is full)."""
+        with self.lock:
+            if self.model is not None and self.pool > 0:
+                self.idle.append(c)
+                c = self.idle.pop(0) if len(self.idle) > self.pool else None
+        if c is not None:
+            _free_context(c)
+
+    def _new_context(self, key: tuple) -> _Context:
+        n_ctx, n_batch, n_seq_max, unified = key
+        cparams = L.llama_context_default_params()
+        cparams.n_ctx = n_ctx
+        cparams.n_batch = n_batch
+        cparams.n_ubatch = n_batch
+        cparams.n_seq_max = n_seq_max
+        # one cache for every sequence: a seq_cp then shares cells instead of copying a stream
+        cparams.kv_unified = unified
+        if self.threads:
+            cparams.n_threads = self.threads
+            cparams.n_threads_batch = self.threads
+        cparams.no_perf = True
+        # llama.cpp's CPU flash attention accumulates in fp16 (top-1 probabilities move by ~0.03
+        # on this model): use the exact path, as llama-cpp-python's Llama does by default
+        cparams.flash_attn_type = 0
+        ctx = L.llama_init_from_model(self.model, cparams)
+        if not ctx:
+            raise DraftError("llama.cpp could not create a context")
+        return _Context(ctx, L.llama_get_memory(ctx), L.llama_batch_init(n_batch, 0, 1), key, [])
 
     def session(self, prompt: list[int], n_ctx: int, sampling: Sampling,
                 q_width: int = 16, n_batch: int = 256, tree_nodes: int = 0,
@@ -145,9 +233,18 @@ class DraftModel:
         return DraftSession(self, prompt, n_ctx, sampling, q_width, n_batch, tree_nodes, features)
 
     def close(self) -> None:
+        with self.lock:
+            idle, self.idle = self.idle, []
+        for c in idle:
+            _free_context(c)
         if self.model:
             L.llama_model_free(self.model)
             self.model = None
+
+
+def _free_context(c: _Context) -> None:
+    L.llama_batch_free(c.batch)
+    L.llama_free(c.ctx)
 
 
 class DraftSession:
@@ -175,31 +272,17 @@ class DraftSession:
         if sampling.top_k > 0:
             self.q_width = min(self.q_width, sampling.top_k)
         self.tree_nodes = max(0, int(tree_nodes))
-        cparams = L.llama_context_default_params()
         # a tree's nodes need cells beside the context's (twice as many: a round's branches are
         # freed only when the next rollback arrives, and a proactive chain grows meanwhile)
-        cparams.n_ctx = self.n_ctx + 2 * self.tree_nodes
         self.n_batch = max(1, min(max(n_batch, self.tree_nodes), self.n_ctx))
-        cparams.n_batch = self.n_batch
-        cparams.n_ubatch = self.n_batch
-        cparams.n_seq_max = self.tree_nodes + 1
-        # one cache for every sequence: a seq_cp then shares cells instead of copying a stream
-        cparams.kv_unified = self.tree_nodes > 0
-        if model.threads:
-            cparams.n_threads = model.threads
-            cparams.n_threads_batch = model.threads
-        cparams.no_perf = True
-        # llama.cpp's CPU flash attention accumulates in fp16 (top-1 probabilities move by ~0.03
-        # on this model): use the exact path, as llama-cpp-python's Llama does by default
-        cparams.flash_attn_type = 0
-        self.ctx = L.llama_init_from_model(model.model, cparams)
-        if not self.ctx:
-            raise DraftError("llama.cpp could not create a context")
-        self.mem = L.llama_get_memory(self.ctx)
-        self.batch = L.llama_batch_init(self.n_batch, 0, 1)
+        key = (self.n_ctx + 2 * self.tree_nodes, self.n_batch, self.tree_nodes + 1,
+               self.tree_nodes > 0)
+        self.context, self.reused = model.take(key, list(prompt[:-1]))
+        self.ctx, self.mem, self.batch = self.context.ctx, self.context.mem, self.context.batch
         self.tokens: list[int] = list(prompt)
         self.prompt_len = len(prompt)
-        self.n_past = 0
+        self.n_past = self.reused             # prompt tokens whose KV the context holds already
+        self.prompt_intact = True             # no rollback has cut into the prompt's cells
         self.seed_base = sampling.seed if sampling.seed is not None else \
             int(np.random.SeedSequence().entropy % (2**63))
         self.tree: TreeGrower | None = None   # the tree round being grown, or the last one
@@ -237,7 +320,7 @@ class DraftSession:
     def prefill(self) -> float:
         """Evaluate the prompt except its last token (the first step feeds that one)."""
         t = time.perf_counter()
-        if len(self.tokens) > 1:
+        if self.n_past < len(self.tokens) - 1:   # a reused context may hold it all already
             self._eval(len(self.tokens) - 1)
         return time.perf_counter() - t
 
@@ -270,6 +353,8 @@ class DraftSession:
 
     def _truncate(self, n: int) -> None:
         if n < self.n_past:
+            if n < self.prompt_len - 1:
+                self.prompt_intact = False   # re-evaluated in other chunks than a prompt's
             if not L.llama_memory_seq_rm(self.mem, 0, n, -1):
                 raise DraftError(f"llama.cpp refused to truncate the KV cache to {n}")
             self.n_past = n
@@ -291,6 +376,7 @@ class DraftSession:
             raise DraftError(f"rollback to {keep + len(append)} tokens overflows the context")
         self.tokens = self.tokens[:keep] + list(append)
         self._truncate(min(self.n_past, keep))
+        self.prompt_len = min(self.prompt_len, keep)   # what follows is evaluated token by token
 
     # --- token trees ----------------------------------------------------------------------------
     def tree_begin(self, shape: Shape) -> TreeDepth:
@@ -446,12 +532,20 @@ class DraftSession:
         self.tree_abort()
 
     def close(self) -> None:
-        if self.batch is not None:
-            L.llama_batch_free(self.batch)
-            self.batch = None
-        if self.ctx:
-            L.llama_free(self.ctx)
-            self.ctx = None
+        """Hand the context back to the model's pool, keeping the KV of the prompt only (of a
+        chain session whose prompt cells are as evaluated; a tree session's unified cache is
+        cleared: its cells need not lie in position order)."""
+        c, self.context = self.context, None
+        if c is None:
+            return
+        self.ctx = self.mem = self.batch = None
+        keep = min(self.n_past, self.prompt_len - 1)
+        if self.tree_nodes or not self.prompt_intact or keep <= 0 or \
+                not L.llama_memory_seq_rm(c.mem, 0, keep, -1):
+            L.llama_memory_clear(c.mem, True)
+            keep = 0
+        c.cached = self.tokens[:keep]
+        self.model.give_back(c)
 
 
 def _greedy(logits: np.ndarray) -> tuple[int, float]:

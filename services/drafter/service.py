@@ -72,9 +72,10 @@ class Drafter(Service):
 
         path = models.resolve_drafter(self.cfg.drafter)
         self.model = await asyncio.to_thread(DraftModel, str(path), self.cfg.threads,
-                                             self.cfg.verbose_llama)
+                                             self.cfg.verbose_llama, self.cfg.context_pool)
         self.log.info("drafter %s loaded: vocab %d, trained context %d", path.name,
                       self.model.n_vocab, self.model.n_ctx_train)
+        metrics.declare_drafter(self.name)
         self.spawn_loop("draft", self.draft_loop())
 
     async def teardown(self) -> None:
@@ -115,6 +116,8 @@ class Drafter(Service):
                                        self.cfg.n_batch, msg.tree_nodes, features=msg.features)
         except DraftError as e:
             raise ProtocolError(protocol.BAD_FIELD, str(e)) from None
+        metrics.PROMPT_CACHE.labels(self.name, "hit").inc(draft.reused)
+        metrics.PROMPT_CACHE.labels(self.name, "miss").inc(len(draft.tokens) - 1 - draft.reused)
         sess = DrafterSession(msg.sid, ident, msg.rid, msg.seq, draft)
         sess.limit = len(draft.tokens)
         self.sessions.add(sess)

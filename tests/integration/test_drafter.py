@@ -135,6 +135,50 @@ def test_engine_errors(model, prompt):
     sess.close()
 
 
+def test_a_reused_context_drafts_what_a_fresh_one_does(model, drafter_path, prompt):
+    """Contexts go back to a pool at close with their prompt's KV (DraftModel.take/give_back).
+    A session on a reused context must draft exactly what one on a new context (the module's
+    `model`, no pool) drafts: the same tokens, probabilities and q rows, bit for bit, whether it
+    keeps the whole prompt's KV, whole chunks of it, or none."""
+    pooled = DraftModel(drafter_path, threads=1, pool=2)
+    s = Sampling(temperature=0.8, seed=11)
+
+    def run(m, p, n_batch=256, rollback_to=None):
+        sess = m.session(p, 512, s, q_width=16, n_batch=n_batch)
+        reused = sess.reused
+        sess.prefill()
+        out = [sess.step() for _ in range(4)]
+        if rollback_to is not None:
+            sess.rollback(rollback_to, [])
+            out += [sess.step() for _ in range(4)]
+        sess.close()
+        return reused, [(d.position, d.token, d.prob, d.q_ids.tobytes(), d.q_probs.tobytes())
+                        for d in out]
+
+    other = [t + 1 for t in prompt[-2:]]
+    cases = [  # (prompt, n_batch, rollback keep, prompt tokens the pooled session must reuse)
+        (prompt, 256, None, 0),                         # an empty pool: a new context
+        (prompt, 256, None, len(prompt) - 1),           # the same prompt: all of its KV
+        # the same but for its last two tokens: a fresh session evaluates this prompt in one
+        # chunk, and llama.cpp promises no batch of another size rounds alike (a prompt fed 1-2
+        # tokens a batch drafts other probabilities): only whole chunks are kept, here none
+        (prompt[:-2] + other, 256, None, 0),
+        (prompt[:-2] + other, 4, None, 0),              # another context size: no reuse
+        (prompt, 4, None, (len(prompt) - 3) // 4 * 4),  # whole 4-token chunks in common
+        (prompt, 4, 3, len(prompt) - 1),                # ... then a rollback into the prompt
+        (prompt, 4, None, 0),                           # ... whose KV is not kept at close
+    ]
+    try:
+        for i, (p, n_batch, keep, want_reused) in enumerate(cases):
+            reused, got = run(pooled, p, n_batch, keep)
+            _, want = run(model, p, n_batch, keep)
+            assert reused == want_reused, f"case {i}: reused {reused}, expected {want_reused}"
+            assert got == want, f"case {i}: a reused context drafted differently"
+        assert len(pooled.idle) == 2   # the pool holds no more than it may
+    finally:
+        pooled.close()
+
+
 # --- the service ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def drafter_service(model_paths, tmp_path_factory):
