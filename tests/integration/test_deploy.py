@@ -402,6 +402,8 @@ _SYNTHETIC_EXPORTER = textwrap.dedent("""
         m.DEGRADED_TOKENS.labels(d, "spec").inc(2)
         for svc in ("verifier", "drafter"):
             m.ORPHANS.labels(svc).inc(0.1)
+        m.PROMPT_CACHE.labels("drafter", "hit").inc(12)
+        m.PROMPT_CACHE.labels("drafter", "miss").inc(3)
         m.DP_REPLANS.labels(d, "drift").inc()
         m.BO_EVALUATIONS.labels(d).inc()
         for sched in ("cascade", "dsb"):
