@@ -51,7 +51,7 @@ static void NAME##_##MB##_##NP(const float* restrict x, long K, const float* res
                                long p0, long m0, long N, const float* restrict bias,           \
                                float* restrict y, long pf) {                                   \
     VEC acc[MB][NP][V];                                                                         \
-    _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++)                                        \
+    _Pragma("GCC unroll 9") for (int m = 0; m < MB; m++)                                        \
     _Pragma("GCC unroll 8") for (int q = 0; q < NP; q++)                                        \
     _Pragma("GCC unroll 2") for (int v = 0; v < V; v++)                                         \
         acc[m][q][v] = ZERO();                                                                  \
@@ -68,14 +68,14 @@ static void NAME##_##MB##_##NP(const float* restrict x, long K, const float* res
         _Pragma("GCC unroll 8") for (int q = 0; q < NP; q++)                                    \
         _Pragma("GCC unroll 2") for (int v = 0; v < V; v++)                                     \
             wv[q][v] = LOAD(w + (q * K + k) * PW + v * LANES);                                  \
-        _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) {                                  \
+        _Pragma("GCC unroll 9") for (int m = 0; m < MB; m++) {                                  \
             VEC xb = SET1(xr[m * K + k]);                                                       \
             _Pragma("GCC unroll 8") for (int q = 0; q < NP; q++)                                \
             _Pragma("GCC unroll 2") for (int v = 0; v < V; v++)                                 \
                 acc[m][q][v] = FMADD(wv[q][v], xb, acc[m][q][v]);                               \
         }                                                                                       \
     }                                                                                           \
-    _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++)                                        \
+    _Pragma("GCC unroll 9") for (int m = 0; m < MB; m++)                                        \
     _Pragma("GCC unroll 8") for (int q = 0; q < NP; q++) {                                      \
         long n = (p0 + q) * PW;                                                                 \
         float out[PW];                                                                          \
@@ -162,10 +162,16 @@ static double NAME(long iters, int threads) {                                   
                                _mm512_storeu_ps, _mm512_set1_ps, _mm512_fmadd_ps, MB, NP)
 KERNEL512(1, 4) KERNEL512(1, 1) KERNEL512(2, 2) KERNEL512(2, 1) KERNEL512(3, 2) KERNEL512(3, 1)
 KERNEL512(4, 3) KERNEL512(4, 1) KERNEL512(5, 3) KERNEL512(5, 1) KERNEL512(6, 3) KERNEL512(6, 1)
-KERNEL512(7, 3) KERNEL512(7, 1) KERNEL512(8, 3) KERNEL512(8, 1)
+KERNEL512(7, 3) KERNEL512(7, 1) KERNEL512(8, 3) KERNEL512(8, 1) KERNEL512(9, 3) KERNEL512(9, 1)
 
-/* block() for AVX-512, mb <= 8: the tile of mb rows as wide as the registers allow, then
- * one-panel tiles for what is left. */
+/* block() for AVX-512, mb <= 9: the tile of mb rows as wide as the registers allow, then
+ * one-panel tiles for what is left. 9 x 3 (27 accumulators, 3 loads of W, a broadcast: 31 of
+ * the 32 zmm) is for 9 rows alone: a verification of 8 drafts feeds 9 (the last committed
+ * token, then the drafts; services/verifier/spec.py), which as an 8-row tile and a 1-row tile
+ * took two passes over each chunk of the weights. A/B of a decode step's products, 15
+ * interleaved reps, a 2-core Intel Xeon VM (AVX-512, 20 GB/s), 8 x 3 + 1 x 3 -> 9 x 3: 9 rows
+ * 39.6 -> 31.5 ms (8 rows, unchanged code, 30.9 -> 30.7); 9 x 2 tiles gained nothing (9 reps,
+ * 1.01x). */
 static void block512(const float* x, long K, const float* Wp, long pa, long pb, long m0, long mb,
                      long N, const float* bias, float* y, long pf) {
     long p = pa;
@@ -176,7 +182,7 @@ static void block512(const float* x, long K, const float* Wp, long pa, long pb, 
         break;
     switch (mb) {
     TILES(1, 4) TILES(2, 2) TILES(3, 2) TILES(4, 3) TILES(5, 3) TILES(6, 3) TILES(7, 3)
-    TILES(8, 3)
+    TILES(8, 3) TILES(9, 3)
     }
 #undef TILES
 }
@@ -222,7 +228,7 @@ void tdm_linear(const float* x, long M, long K, const float* Wp, long N, const f
      * for 4-6 rows (4 x 2, 5 x 2, 6 x 2 tiles) was 7-11 % slower in an earlier run, 1-2 rows
      * the same. */
     int wide = M >= 4 && tdm_isa() == 512;
-    long mb_max = wide ? 8 : 6;   /* rows per tile */
+    long mb_max = wide ? (M == 9 ? 9 : 8) : 6;   /* rows per tile (9: block512's comment) */
     void (*blk)(const float*, long, const float*, long, long, long, long, long, const float*,
                 float*, long) = wide ? block512 : block;
     #pragma omp parallel num_threads(threads) if (threads > 1)
