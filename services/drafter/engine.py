@@ -376,7 +376,9 @@ class DraftSession:
             raise DraftError(f"rollback to {keep + len(append)} tokens overflows the context")
         self.tokens = self.tokens[:keep] + list(append)
         self._truncate(min(self.n_past, keep))
-        self.prompt_len = min(self.prompt_len, keep)   # what follows is evaluated token by token
+        if keep < self.prompt_len:   # the prompt itself is cut: what follows is evaluated token
+            self.prompt_len = keep   # by token, and its cells are no prompt's evaluation to keep
+            self.prompt_intact = False
 
     # --- token trees ----------------------------------------------------------------------------
     def tree_begin(self, shape: Shape) -> TreeDepth:

@@ -167,6 +167,8 @@ def test_a_reused_context_drafts_what_a_fresh_one_does(model, drafter_path, prom
         (prompt, 4, None, (len(prompt) - 3) // 4 * 4),  # whole 4-token chunks in common
         (prompt, 4, 3, len(prompt) - 1),                # ... then a rollback into the prompt
         (prompt, 4, None, 0),                           # ... whose KV is not kept at close
+        (prompt, 256, len(prompt) - 1, 0),              # a rollback into the last prompt token
+        (prompt[:-1], 256, None, 0),                    # ... keeps no part of the prompt either
     ]
     try:
         for i, (p, n_batch, keep, want_reused) in enumerate(cases):
