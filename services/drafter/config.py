@@ -14,7 +14,8 @@ class DrafterConfig(ServiceConfig):
     context_pool: int = setting(
         4, "closed sessions' contexts kept for new ones, with their prompt's KV (a new session of "
         "the same context size skips creating one and evaluating the prompt it shares); 0: "
-        "free each at close (idle ones are held beside max_sessions' contexts)", ge=0)
+        "free each at close (idle ones are held beside max_sessions' contexts, ~25 MB per 1k tokens "
+        "of context each)", ge=0)
     max_sessions: int = setting(64, "contexts held at once (each ~25 MB per 1k tokens of context)", ge=1)
     max_tree_nodes: int = setting(
         64, "most nodes one token-tree round may have (DraftOpen.tree_nodes asks up to this)",
