@@ -282,7 +282,7 @@ class DraftSession:
         self.tokens: list[int] = list(prompt)
         self.prompt_len = len(prompt)
         self.n_past = self.reused             # prompt tokens whose KV the context holds already
-        self.prompt_intact = True             # no rollback has cut into the prompt's cells
+        self.prompt_intact = True             # no rollback has cut into the prompt (rollback)
         self.seed_base = sampling.seed if sampling.seed is not None else \
             int(np.random.SeedSequence().entropy % (2**63))
         self.tree: TreeGrower | None = None   # the tree round being grown, or the last one
@@ -353,8 +353,6 @@ class DraftSession:
 
     def _truncate(self, n: int) -> None:
         if n < self.n_past:
-            if n < self.prompt_len - 1:
-                self.prompt_intact = False   # re-evaluated in other chunks than a prompt's
             if not L.llama_memory_seq_rm(self.mem, 0, n, -1):
                 raise DraftError(f"llama.cpp refused to truncate the KV cache to {n}")
             self.n_past = n
