@@ -350,6 +350,8 @@ class DraftTokens(Msg, tag="draft_tokens"):
     parents: list[Annotated[int, msgspec.Meta(ge=-1, le=MAX_ID)]] | None = None
     first_node: Size = 0
     tree_done: bool = False   # the tree round's last message (it may carry no node)
+    rows: Size = 0            # tree rounds: rows of the one batched decode `seconds` timed (the
+    #                           dispatcher's drafter-cost curve); 0 = not one decode
     # per token, when DraftOpen asked for features: entropy (nats) and top-1 minus top-2
     # probability of the drafter's distribution at that position
     entropies: list[Entropy] | None = None

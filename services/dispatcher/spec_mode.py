@@ -81,8 +81,8 @@ class Edge:
         return self.windows.setdefault(policy, DraftWindow())
 
     def tree(self, policy: str) -> TreePolicy:
-        """The tree policy's measurements (acceptance per depth and rank, verify-cost curve,
-        TPT), shared by its sessions."""
+        """The tree policy's measurements (acceptance per depth and rank, verify-cost and
+        drafter-cost curves, TPT), shared by its sessions."""
         if policy not in self.trees:
             c = self.cfg.spec
             self.trees[policy] = TreePolicy(TreePolicyConfig(
@@ -495,7 +495,10 @@ class SpecRun:
             return
         if not isinstance(msg, protocol.DraftTokens) or msg.seq != self.sm.epoch:
             return   # the open Ack, or tokens drafted before the last rollback
-        if msg.seconds > 0 and msg.token_ids:
+        if msg.parents is not None:    # a tree depth: one batched decode, not rows × γ
+            if msg.rows and self.policy.tree:
+                self.edge.tree(self.policy.name).observe_decode(msg.rows, msg.seconds)
+        elif msg.seconds > 0 and msg.token_ids:
             self.edge.speed.observe(len(msg.token_ids), msg.seconds)
         q_ids = q_probs = None
         if msg.q_ids is not None and msg.q_probs is not None:

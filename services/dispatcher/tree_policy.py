@@ -11,9 +11,11 @@ it the numbers, each round:
     node_cost_s     the verify-cost curve's marginal cost of one more node (least squares of the
                     verifier's time vs nodes verified, like γ for the drafter) plus β, the
                     per-token transmission cost of the link model
-    depth_cost_s    γ: one more sequential drafter decode
-    width_cost_s    γ × width_cost: one more node in a depth that is decoded anyway (the batched
-                    decode grows a little per row)
+    depth_cost_s    one more sequential drafter decode: a + b of the drafter-cost curve, the
+                    least squares of a tree decode's seconds vs its rows (a + b·rows, from the
+                    drafter's timings of each depth); γ until two row counts are measured
+    width_cost_s    b: one more row in a depth that is decoded anyway (γ × width_cost until
+                    then). On a CPU a row is a fifth to a half of a decode, on a GPU ~0
     accept_scale    per depth and sibling rank: measured acceptance over the q of the nodes that
                     were tried there (a node is tried when its parent was accepted), with a prior
                     of `prior` pseudo-nodes at scale 1 (q itself is the estimate until measured)
@@ -43,10 +45,12 @@ class TreePolicyConfig:
     max_width: int = 4          # children per node
     cost_scale: float = 1.0     # every cost × this (knob "cs")
     node_cost_seed_s: float = 0.002   # marginal verify seconds per node before measurements
-    width_cost: float = 0.1     # one more node in a decoded depth, as a fraction of γ
+    width_cost: float = 0.1     # one more row in a decoded depth, as a fraction of γ, until
+    #                             the drafter-cost curve is measured
     prior: float = 2.0          # pseudo-nodes at acceptance scale 1 per (depth, rank)
     ewma: float = 0.2           # weight of a new round in the TPT estimate
-    window: int = 64            # (nodes, verify seconds) observations in the curve's fit
+    window: int = 64            # observations in each curve's fit: (nodes, verify seconds)
+    #                             and (rows, drafter decode seconds)
     scale_depths: int = 8       # rows of accept_scale sent (deeper nodes use the last row)
 
 
@@ -76,6 +80,7 @@ class TreePolicy:
         # (depth, rank) -> [tried, accepted, sum of q]
         self.table: dict[tuple[int, int], list[float]] = {}
         self.curve: deque[tuple[int, float]] = deque(maxlen=c.window)
+        self.decodes: deque[tuple[int, float]] = deque(maxlen=c.window)
         self.round_s: float | None = None     # EWMA of a round's wall time
         self.round_tokens: float | None = None  # EWMA of tokens a round commits
 
@@ -96,6 +101,11 @@ class TreePolicy:
         if seconds >= 0:
             self.curve.append((int(nodes), float(seconds)))
 
+    def observe_decode(self, rows: int, seconds: float) -> None:
+        """The drafter's time for one tree depth: a batched decode of `rows` rows."""
+        if rows >= 1 and seconds >= 0:
+            self.decodes.append((int(rows), float(seconds)))
+
     def observe_commit(self, seconds: float, tokens: int) -> None:
         """A round's wall time (its drafting included) and the tokens it committed."""
         w = self.config.ewma
@@ -113,6 +123,15 @@ class TreePolicy:
             base = min((t for _, t in self.curve), default=0.0)
             return base, self.config.node_cost_seed_s
         return fit
+
+    def decode_costs(self, gamma: float) -> tuple[float, float]:
+        """(seconds of a one-row depth decode, seconds per further row) of the drafter."""
+        fit = _nonneg_least_squares(self.decodes) if len({r for r, _ in self.decodes}) >= 2 \
+            else None
+        if fit is None:
+            return gamma, gamma * self.config.width_cost
+        a, b = fit
+        return a + b, b
 
     def scale(self, depth: int, rank: int) -> float:
         tried, acc, sum_q = self.table.get((depth, rank), (0.0, 0.0, 0.0))
@@ -135,11 +154,12 @@ class TreePolicy:
         scale = float(knobs.get("cs", c.cost_scale))
         max_nodes = int(knobs.get("m", c.max_nodes))
         _, per_node = self.verify_curve()
+        depth_cost, width_cost = self.decode_costs(gamma)
         rows = min(c.scale_depths, c.max_depth)
         return protocol.TreeRequest(
             max_nodes=max(1, max_nodes), max_depth=max(1, min(c.max_depth, depth_left)),
             max_width=c.max_width, token_value_s=min(protocol.MAX_SECONDS,
                                                      self.token_value(rtt, gamma)),
-            node_cost_s=[scale * (per_node + beta)], depth_cost_s=scale * gamma,
-            width_cost_s=scale * gamma * c.width_cost,
+            node_cost_s=[scale * (per_node + beta)], depth_cost_s=scale * depth_cost,
+            width_cost_s=scale * width_cost,
             accept_scale=[self.scale(d, r) for d in range(rows) for r in range(c.max_width)])

@@ -128,6 +128,8 @@ class TreeDepth:
     probs: list[float]
     seconds: float
     done: bool                       # the round is complete (this may add no node)
+    rows: int = 0                    # rows of the one batched decode `seconds` timed (0: none,
+    #                                  or more than one decode call)
     q_ids: np.ndarray | None = None  # int32 [n, k]: each node's parent's sparse q (sampling)
     q_probs: np.ndarray | None = None
 
@@ -392,13 +394,14 @@ class DraftSession:
         self.tree_abort()
         if self.n_past >= len(self.tokens):      # the last token's logits are gone: re-feed it
             self._truncate(len(self.tokens) - 1)
+        fed = len(self.tokens) - self.n_past
         logits = self._eval(len(self.tokens))
         self.tree_start = len(self.tokens)
         shape.max_depth = min(shape.max_depth, self.n_ctx - self.tree_start)
         self.tree = TreeGrower(shape)
         self.node_seq = []
         self.tree.offer(ROOT, *self._children(logits, self.tree_start, shape.max_width))
-        return self._grown(self.tree.grow(), t)
+        return self._grown(self.tree.grow(), t, rows=1 if fed == 1 else 0)
 
     def tree_step(self) -> TreeDepth:
         """Decode the last depth's nodes (one batch) and grow the next depth from them."""
@@ -439,12 +442,12 @@ class DraftSession:
             g.offer(i, *self._children(row, position, g.shape.max_width))
         if g.nodes[frontier[0]].parent == ROOT or self._on_main(frontier[0]):
             self.n_past = self.tree_start + depth + 1   # sequence 0 grew by the main node
-        return self._grown(g.grow(), t)
+        return self._grown(g.grow(), t, rows=len(frontier))
 
     def _on_main(self, i: int) -> bool:
         return i in set(self.tree.main_path())
 
-    def _grown(self, added: list[int], t: float) -> TreeDepth:
+    def _grown(self, added: list[int], t: float, rows: int = 0) -> TreeDepth:
         g = self.tree
         self.node_seq += [-1] * len(added)
         self.tree_pending = added
@@ -452,7 +455,8 @@ class DraftSession:
         nodes = [g.nodes[i] for i in added]
         first = added[0] if added else len(g.nodes)
         d = TreeDepth(self.tree_start, first, [n.token for n in nodes],
-                      [n.parent for n in nodes], [min(1.0, n.prob) for n in nodes], 0.0, done)
+                      [n.parent for n in nodes], [min(1.0, n.prob) for n in nodes], 0.0, done,
+                      rows=rows)
         if not self.greedy and nodes:
             d.q_ids = np.stack([n.row[0] for n in nodes])
             d.q_probs = np.stack([n.row[1] for n in nodes])

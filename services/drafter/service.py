@@ -277,7 +277,7 @@ class Drafter(Service):
         msg = protocol.DraftTokens(sid=s.sid, seq=s.epoch, rid=s.rid, start=d.start,
                                    token_ids=d.tokens, probs=d.probs, seconds=d.seconds,
                                    parents=d.parents, first_node=d.first_node,
-                                   tree_done=d.done)
+                                   tree_done=d.done, rows=d.rows)
         buffers = []
         if d.q_ids is not None:
             msg.q_ids, ids = protocol.tensor_frame(d.q_ids, 0)

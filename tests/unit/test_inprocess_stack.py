@@ -85,6 +85,28 @@ def test_trees_equal_transformers_on_every_prompt(stack, ids, reference, policy)
     assert any(rank >= 1 and row[0] > 0 for (_, rank), row in table.items()), table
 
 
+def test_tree_depths_time_the_drafter_cost_curve_not_the_chain_gamma(stack, ids, reference):
+    """A tree depth is one batched decode of `rows` rows: its time goes to the tree policy's
+    drafter-cost curve (depth and row costs), never into γ as seconds per node (γ is a chain's
+    seconds per token, which the drafter sends one at a time)."""
+    edge = stack.stack.services["dispatcher"].modes["spec"].edge
+    tree = edge.tree("tree")
+    gamma_calls, decodes = [], []
+    speed_observe, tree_observe = edge.speed.observe, tree.observe_decode
+    edge.speed.observe = lambda n, s: (gamma_calls.append(n), speed_observe(n, s))[1]
+    tree.observe_decode = lambda rows, s: (decodes.append(rows), tree_observe(rows, s))[1]
+    try:
+        for p in ids[:2]:
+            r = _gen(stack, p, mode="spec", policy="tree", policy_knobs={"cs": 0.05, "m": 24})
+            assert r.token_ids == reference(p, N)
+    finally:
+        edge.speed.observe, tree.observe_decode = speed_observe, tree_observe
+    assert decodes and max(decodes) >= 2, decodes          # wide depths were timed as such
+    assert set(gamma_calls) <= {1}, gamma_calls             # and only chain tokens fed γ
+    depth_cost, row_cost = tree.decode_costs(edge.speed.gamma)
+    assert depth_cost > 0 and len({r for r, _ in tree.decodes}) >= 2
+
+
 def test_sampled_trees_complete(stack, ids, tokenizer):
     """Sampling over token trees (the drafter's children drawn without replacement, recursive
     rejection sampling on the verifier): a seeded request runs to its length through wide trees."""

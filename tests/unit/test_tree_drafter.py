@@ -74,6 +74,10 @@ def test_greedy_tree_children_are_the_top_of_q_and_the_main_path_is_the_chain(mo
         kids = [i for i, q in enumerate(parents) if q == p]
         assert len({tokens[i] for i in kids}) == len(kids)
         assert [probs[i] for i in kids] == sorted((probs[i] for i in kids), reverse=True)
+    # each step timed one batched decode: the root's one row, then every node of the last depth
+    assert steps[0].rows == 1
+    assert all(d.rows == len(prev.tokens) or (d.rows == 0 and not d.tokens)
+               for prev, d in zip(steps, steps[1:]))
     ref = chain(model, prompt, 1)[0]
     assert tokens[0] == ref.token and probs[0] == pytest.approx(ref.prob, abs=1e-6)
     main = sess.tree.main_path()
@@ -224,6 +228,10 @@ def test_service_streams_a_tree_round_then_its_chain(drafter, prompt):
             if msg.tree_done:
                 break
         assert 2 < nodes <= 8 and msgs[0].parents == [-1, -1]
+        # each message times one batched decode: the root's row, then the last depth's nodes
+        assert msgs[0].rows == 1
+        assert all(m.rows in (0, len(prev.token_ids)) for prev, m in zip(msgs, msgs[1:]))
+        assert any(m.rows == len(prev.token_ids) >= 2 for prev, m in zip(msgs, msgs[1:]))
         main_len = 1
         parents = [p for m in msgs for p in m.parents]
         i = 0

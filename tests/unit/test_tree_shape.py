@@ -164,6 +164,17 @@ def test_policy_request_follows_the_link():
     assert scaled.max_nodes == 5 and scaled.depth_cost_s == pytest.approx(0.010)
     tp.observe_commit(0.3, 3)
     assert tp.token_value(0.1, 0.005) == pytest.approx(0.1)
+    # the drafter's decode costs: γ and γ × width_cost until two row counts are timed ...
+    assert scaled.width_cost_s == pytest.approx(2 * 0.005 * 0.1)
+    tp.observe_decode(1, 0.020)
+    assert tp.decode_costs(0.005) == (0.005, pytest.approx(0.0005))
+    # ... then the fit a + b·rows: a depth costs a + b, a further row b
+    for rows, t in ((2, 0.028), (4, 0.044), (8, 0.076)):
+        tp.observe_decode(rows, t)
+    depth, row = tp.decode_costs(0.005)
+    assert depth == pytest.approx(0.020) and row == pytest.approx(0.008)
+    req = tp.request(rtt=0.1, beta=0.0001, gamma=0.005, depth_left=9, knobs={"cs": 2})
+    assert req.depth_cost_s == pytest.approx(0.040) and req.width_cost_s == pytest.approx(0.016)
     protocol.check(protocol.DraftRequest(tree=slow))   # it travels
 
 
