@@ -15,7 +15,8 @@ it the numbers, each round:
                     least squares of a tree decode's seconds vs its rows (a + b·rows, from the
                     drafter's timings of each depth); γ until two row counts are measured
     width_cost_s    b: one more row in a depth that is decoded anyway (γ × width_cost until
-                    then). On a CPU a row is a fifth to a half of a decode, on a GPU ~0
+                    then; on this project's 2-core VM a row costs a fifth to a half of a
+                    one-row decode of the bundled drafter)
     accept_scale    per depth and sibling rank: measured acceptance over the q of the nodes that
                     were tried there (a node is tried when its parent was accepted), with a prior
                     of `prior` pseudo-nodes at scale 1 (q itself is the estimate until measured)
