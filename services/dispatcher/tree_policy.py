@@ -119,7 +119,7 @@ class TreePolicy:
     # --- estimates ------------------------------------------------------------------------------
     def verify_curve(self) -> tuple[float, float]:
         """(intercept, seconds per node) of verify time vs nodes."""
-        fit = _nonneg_least_squares(self.curve) if len({n for n, _ in self.curve}) >= 2 else None
+        fit = _nonneg_least_squares(self.curve)   # None until two node counts are timed
         if fit is None:
             base = min((t for _, t in self.curve), default=0.0)
             return base, self.config.node_cost_seed_s
@@ -127,8 +127,7 @@ class TreePolicy:
 
     def decode_costs(self, gamma: float) -> tuple[float, float]:
         """(seconds of a one-row depth decode, seconds per further row) of the drafter."""
-        fit = _nonneg_least_squares(self.decodes) if len({r for r, _ in self.decodes}) >= 2 \
-            else None
+        fit = _nonneg_least_squares(self.decodes)   # None until two row counts are timed
         if fit is None:
             return gamma, gamma * self.config.width_cost
         a, b = fit
