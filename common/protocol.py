@@ -545,6 +545,10 @@ def _check_sizes(msg: Msg, limits: Limits) -> None:
             raise ProtocolError(TOO_LARGE,
                                 f"{name} has {len(value)} entries > limit {limits.max_tokens} "
                                 f"(max_tokens)", field=name)
+    rows = getattr(msg, "rows", 0)   # DraftTokens: the decoded depth came in one message
+    if rows > limits.max_tokens:
+        raise ProtocolError(TOO_LARGE, f"rows = {rows} > limit {limits.max_tokens} (max_tokens)",
+                            field="rows")
     parents = getattr(msg, "parents", None)
     if parents is not None and hasattr(msg, "token_ids"):   # DraftBatch, DraftTokens
         check_parents(parents, msg.token_ids, getattr(msg, "first_node", 0))

@@ -66,3 +66,17 @@ def test_tree_sizes_are_limited_like_tokens():
     assert _error({"type": "verify", "round": 1, "end": 0, "nodes": -1}).code == p.BAD_FIELD
     assert _error({"type": "draft_batch", "round": 1, "start": 4, "token_ids": [1],
                    "parents": [-1], "first_node": -1}).code == p.BAD_FIELD
+
+
+def test_draft_tokens_rows_roundtrip_and_bad_rows_name_the_field():
+    """`rows` (the decode a tree depth's `seconds` timed) travels; negative, non-integer or more
+    rows than a message may carry nodes (a depth is decoded from one message) are refused."""
+    msg = p.DraftTokens(sid="s", start=4, token_ids=[1, 2], probs=[0.5, 0.4], seconds=0.02,
+                        parents=[-1, -1], rows=1)
+    assert p.decode(p.encode(msg), LIMITS).rows == 1
+    base = {"type": "draft_tokens", "start": 4, "token_ids": [1], "probs": [0.5],
+            "parents": [-1]}
+    for bad, code in ((-1, p.BAD_FIELD), (1.5, p.BAD_FIELD), ("2", p.BAD_FIELD),
+                      (LIMITS.max_tokens + 1, p.TOO_LARGE), (2**62, p.BAD_FIELD)):
+        e = _error({**base, "rows": bad})
+        assert e.code == code and e.field == "rows", (bad, e.code, e.field)
