@@ -16,11 +16,13 @@ the first N test prompts only (the full run is the default); `--quick` is a CI-s
 
 Tuning parity. Before measuring, every policy with knobs — vanilla (N), HSL (R2), EdgeLLM (R1, C),
 pipesd and pipesd-stream (R1, R2) — is tuned by the same BO (bench/tuning.py: the dispatcher's
-GP + EI, ξ = 0.1 on ln TPT), with the same budget (16 evaluations), on the tuning set, in the same
+GP + EI, ξ = 0.1), with the same budget (16 evaluations), on the tuning set, in the same
 scenario; an evaluation is the mean TPT over the same `--tune-window` tuning prompts for every
-policy. The measured requests then carry the chosen knobs (`policy_knobs`: the live autotuner is
-neither used nor fed), and each JSON row says what they were and how they were chosen
-(`tuned_params`). `--no-tune` measures every policy at its defaults instead.
+policy, told to the BO relative to the policy's default knobs run on those prompts (ln of the
+ratio: prompts differ more than knobs, bench/tuning.py). The measured requests then carry the
+chosen knobs (`policy_knobs`: the live autotuner is neither used nor fed), and each JSON row
+says what they were and how they were chosen (`tuned_params`). `--no-tune` measures every policy
+at its defaults instead.
 
 Measurement. Every policy runs every test prompt, the policies interleaved (order reversed on
 every other prompt) so machine drift spreads over all of them; per policy and prompt: TPT (request
@@ -171,9 +173,14 @@ def encode_prompts(kinds: list[str]) -> dict[str, list[int]]:
 def spec_cluster(scenario: str, drafter: str, bo: bool = True, proactive_depth: int = 1,
                  info: dict | None = None, target: str = ""):
     """Verifier (cloud, core 1) behind the WAN emulator; drafter + dispatcher (edge, core 0).
-    Yields (Client, Link or None, note); fills `info` when given: "pids" (service -> pid) and
-    "endpoint" (the dispatcher's, for more clients). `target`: the model every service loads
-    (a name or a path, as TANDEM_TARGET); "" = the bundled one."""
+    The drafter keeps no context between requests (--context-pool 0): the bench runs each prompt
+    once per policy back to back, and a chain policy after another chain would evaluate only the
+    prompt it does not share with that one's pooled context, while a tree policy's contexts have
+    another key and never share one; each request pays its prompt, as a new user's does.
+    Yields (Client, Link or None, note); fills `info` when given: "pids" (service -> pid),
+    "endpoint" (the dispatcher's, for more clients) and "drafter_metrics" (its /metrics URL).
+    `target`: the model every service loads (a name or a path, as TANDEM_TARGET); "" = the
+    bundled one."""
     from common import models
     from tandem import Client
     cores = os.cpu_count() or 1
@@ -181,7 +188,8 @@ def spec_cluster(scenario: str, drafter: str, bo: bool = True, proactive_depth: 
     env = {"TANDEM_TARGET": str(models.resolve_target(target))} if target else {}
     cluster = Cluster(services=("verifier", "drafter", "dispatcher"), ephemeral=True, pin=pin,
                       env=env, extra={"verifier": ["--threads", "1"],
-                             "drafter": ["--threads", "1", "--drafter", drafter],
+                             "drafter": ["--threads", "1", "--drafter", drafter,
+                                         "--context-pool", "0"],
                              "dispatcher": ["--spec-bo", "true" if bo else "false",
                                             "--spec-proactive-depth", str(proactive_depth)]})
     link = quota = None
@@ -202,6 +210,7 @@ def spec_cluster(scenario: str, drafter: str, bo: bool = True, proactive_depth: 
         if info is not None:
             info["pids"] = {name: p.pid for name, p in cluster.procs.items()}
             info["endpoint"] = cluster.endpoint("dispatcher")
+            info["drafter_metrics"] = cluster.procs["drafter"].url("/metrics")
         with Client(cluster.endpoint("dispatcher"), timeout_s=600) as c:
             yield c, link, note
     finally:
@@ -269,6 +278,22 @@ def link_rtt_s(scenario: str) -> float:
     return (sc.up.latency_ms + sc.down.latency_ms) / 1000
 
 
+def prompt_cache_tokens(metrics_url: str) -> dict[str, float]:
+    """The drafter's prompt tokens so far by outcome ("hit": KV a pooled context held, "miss":
+    evaluated), from its tandem_prompt_cache_tokens_total counter."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+    with urllib.request.urlopen(metrics_url, timeout=10) as r:
+        text = r.read().decode()
+    out = {"hit": 0.0, "miss": 0.0}
+    for fam in text_string_to_metric_families(text):
+        for smp in fam.samples:
+            if smp.name == "tandem_prompt_cache_tokens_total":
+                out[smp.labels["outcome"]] += smp.value
+    return out
+
+
 class Meter:
     """CPU-seconds of the service processes (and RAPL joules where present) around a request."""
 
@@ -300,7 +325,9 @@ def measured_request(c, p: str, ids: list[int], n: int, knobs, meter: Meter,
 class LockstepTuning:
     """Tuning parity: one BO per knobbed policy (bench/tuning.py), stepped together — evaluation
     i of every policy runs on the same tuning prompts, the policies interleaved — so no policy
-    tunes on other prompts or at another time of the run than the others."""
+    tunes on other prompts or at another time of the run than the others. Each evaluation also
+    runs the policy's default knobs on its prompts (the control, first or second by turns), and
+    the BO is told TPT relative to it: prompts differ more than knobs."""
 
     def __init__(self, policies: list[str], budget: int, seed: int):
         self.tuners = {p: PolicyTuner(p, budget, seed) for p in policies}
@@ -313,9 +340,15 @@ class LockstepTuning:
             for p in (names if i % 2 == 0 else names[::-1]):
                 t = self.tuners[p]
                 knobs = t.ask()
-                tpt = evaluate(p, knobs, i)
-                t.tell(tpt)
-                log(f"  tune {p:14s} #{i + 1:2d} {_knobs(knobs)}: {tpt * 1000:7.1f} ms")
+                if i % 2 == 0:
+                    control = evaluate(p, dict(DEFAULTS[p]), i)
+                    tpt = evaluate(p, knobs, i)
+                else:
+                    tpt = evaluate(p, knobs, i)
+                    control = evaluate(p, dict(DEFAULTS[p]), i)
+                t.tell(tpt, control)
+                log(f"  tune {p:14s} #{i + 1:2d} {_knobs(knobs)}: {tpt * 1000:7.1f} ms "
+                    f"(default {control * 1000:5.1f} ms: {tpt / control:.3f}x)")
         return {p: t.result() for p, t in self.tuners.items()}
 
 
@@ -599,9 +632,11 @@ def main(argv=None) -> int:
 
     runs: dict[tuple, list[dict]] = {(u, p): [] for u in uplinks for p in policies}
 
+    prompt_tokens: dict | None = None
+
     def save(results: list[dict], violations: list[str], load: dict | None,
              partial: dict | None = None) -> None:
-        write_json(args.json, "spec", args.scenario, results,
+        write_json(args.json, "spec", args.scenario, results, drafter_prompt_tokens=prompt_tokens,
                    link=note, model=model, drafter=args.drafter, max_tokens=n,
                    repeats=args.repeats, workload=args.workload, seed=args.seed,
                    tuning_prompts=[p.name for p in tune_set], test_prompts=test_names,
@@ -646,6 +681,7 @@ def main(argv=None) -> int:
                 knobs[p] = res.knobs
                 tuned[p] = {"knobs": res.knobs,
                             "how": f"BO, {budget} evaluations x {window} tuning prompts, "
+                                   "TPT relative to the default knobs on the same prompts, "
                                    "lowest GP posterior mean",
                             "budget": budget, "tuning_prompts": len(names),
                             "evaluations": res.evaluations}
@@ -681,6 +717,10 @@ def main(argv=None) -> int:
             print(f"# load sweep: {loads} sessions x {len(lp)} prompts each, {lpol}", flush=True)
             load_rows = load_sweep(info["endpoint"], loads, lpol, lp, n, knobs,
                                    info["pids"]["verifier"], lambda s: print(s, flush=True))
+        prompt_tokens = prompt_cache_tokens(info["drafter_metrics"])
+        print(f"# drafter prompt tokens: {prompt_tokens['miss']:.0f} evaluated, "
+              f"{prompt_tokens['hit']:.0f} reused (every request pays its prompt: 0 reused)",
+              flush=True)
 
     rows, violations, parts = summarize(runs, uplinks, policies, test_names, matches, n, rtt,
                                         verify_s, tuned)

@@ -58,8 +58,12 @@ def spec_workload_section(doc: dict, name: str) -> str:
     rows = [r for r in doc["results"] if r.get("policy") and r.get("kind") != "load"]
     loads = [r for r in doc["results"] if r.get("kind") == "load"]
     by = {r["policy"]: r for r in rows if not r.get("uplink_mbit")}
+    paired = any(e.get("control_ms") is not None for r in rows
+                 for e in (r.get("tuned_params") or {}).get("evaluations") or [])
     tuning = (f"every knobbed policy tuned by the same BO, {doc.get('tune_budget')} evaluations x "
-              f"{doc.get('tune_window')} tuning prompts" if doc.get("tuned")
+              f"{doc.get('tune_window')} tuning prompts"
+              + (", each told as TPT relative to the policy's default knobs on the same prompts"
+                 if paired else "") if doc.get("tuned")
               else "every policy at its defaults (--no-tune)")
     lines = [f"### Speculative mode — `{name}` (workload `{doc.get('workload')}`, scenario "
              f"`{doc.get('scenario')}`, model `{doc.get('model', 'smollm2-135m')}`, drafter "

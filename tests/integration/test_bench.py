@@ -50,9 +50,13 @@ def test_bench_spec_quick(tmp_path):
     """The issue #13 shape: HumanEval split into tuning and test prompts, every knobbed policy
     tuned by the same BO with the same budget on the tuning prompts only, every row with its
     interval, its knobs, its TPT over the clairvoyant bound (>= 1), cloud seconds and edge
-    CPU-seconds per token, and outputs identical to transformers'."""
+    CPU-seconds per token, and outputs identical to transformers'. Every evaluation has its
+    control (the default knobs on its prompts), and every request paid its prompt: the policies
+    run each prompt back to back, and the drafter reused none of one request's prompt KV in
+    another."""
     doc = bench(tmp_path, "spec", "--workload", "humaneval")
     assert doc["workload"] == "humaneval" and doc["tuned"] is True
+    assert doc["drafter_prompt_tokens"]["hit"] == 0 and doc["drafter_prompt_tokens"]["miss"] > 0
     assert len(doc["test_prompts"]) == 2 and doc["tuning_prompts"]
     assert not set(doc["test_prompts"]) & set(doc["tuning_prompts"])
     rows = doc["results"]
@@ -74,6 +78,7 @@ def test_bench_spec_quick(tmp_path):
         else:   # the same BO budget for every knobbed policy
             evals = r["tuned_params"]["evaluations"]
             assert len(evals) == doc["tune_budget"] == 3
+            assert all(e["control_ms"] > 0 for e in evals)
             assert knobs in [e["knobs"] for e in evals]
     assert "pipesd" in results_page.spec_section(doc, "spec")
 
