@@ -168,6 +168,16 @@ class BackgroundStack:
                 return await c.complete(prompt, **kw)
         return self.call(go)
 
+    def complete_many(self, requests: list[tuple[list[int], dict]]):
+        """Requests sent together, each through its own client (the services batch them, as they
+        would concurrent users): their Results, in order."""
+        async def go(stack):
+            async def one(prompt, kw):
+                async with stack.client() as c:
+                    return await c.complete(prompt, **kw)
+            return await asyncio.gather(*(one(p, kw) for p, kw in requests))
+        return self.call(go)
+
     def close(self) -> None:
         if self.loop.is_running():
             try:

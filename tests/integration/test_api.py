@@ -230,11 +230,15 @@ def test_spec_and_split_modes_through_extra_body(client, tokenizer, reference, e
 
 
 def test_seeded_sampling_is_reproducible(client):
+    """The same seed gives the same text, and the seed is what decides it: other seeds give
+    other texts (a sampler that ignored the seed would give one text for all, or a new text
+    each call)."""
     kw = dict(model=MODEL, prompt="My favourite animal is", max_tokens=8, temperature=0.9,
-              top_p=0.95, seed=7)
-    a = client.completions.create(**kw).choices[0].text
-    b = client.completions.create(**kw).choices[0].text
-    assert a == b
+              top_p=0.95)
+    texts = {seed: client.completions.create(**kw, seed=seed).choices[0].text
+             for seed in range(7, 11)}
+    assert client.completions.create(**kw, seed=7).choices[0].text == texts[7]
+    assert len(set(texts.values())) >= 2, texts
 
 
 def test_official_client_raises_typed_errors(client):
@@ -555,7 +559,10 @@ def test_64_concurrent_streaming_clients_served_or_429_no_token_lost(stack, toke
     served = [o for o in out if o[0] == "served"]
     refused = [o for o in out if o[0] == "429"]
     assert len(served) + len(refused) == CONCURRENT
-    assert served, "not one client was served"
+    # all 64 arrive together, so at least as many as the quota holds at once are admitted (the
+    # gateway may serve more, as earlier streams end and free the quota)
+    fit = QUOTA // max(len(chat_ids(tokenizer, conv)) + n for conv in convs)
+    assert len(served) >= min(fit, CONCURRENT), (len(served), fit)
     for _, k, text, usage in served:
         text_want, count_want = want[k % len(convs)]
         assert text == text_want, (k, text, text_want)

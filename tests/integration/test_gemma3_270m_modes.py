@@ -95,9 +95,14 @@ def test_spec_every_policy(client, hf, cases, policy):
 
 
 def test_split_every_cut(client, hf, cases):
+    """Every cut, eight requests in flight at a time: the suffix batches sessions at different
+    cuts, and batched must equal one by one."""
+    from concurrent.futures import ThreadPoolExecutor
     L = hf[0].config.num_hidden_layers
-    for cut in range(1, L):
-        for kind, ids, want in cases:
-            r = client.complete(ids, mode="split", cut=cut, max_tokens=N_TOKENS,
-                                stop_at_eos=False)
-            same(hf, ids, r.token_ids, want, f"split/cut {cut}/{kind}")
+    runs = [(cut, kind, ids, want) for cut in range(1, L) for kind, ids, want in cases]
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda r: client.complete(r[2], mode="split", cut=r[0],
+                                                          max_tokens=N_TOKENS, stop_at_eos=False),
+                                runs))
+    for (cut, kind, ids, want), r in zip(runs, results):
+        same(hf, ids, r.token_ids, want, f"split/cut {cut}/{kind}")

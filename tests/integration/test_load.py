@@ -1,7 +1,9 @@
 """Load: many concurrent sessions for a bounded time.
 
 * Admission control: a burst over the dispatcher's `max_sessions` is answered `busy` at once
-  (no unbounded queue) and every admitted request is still exact.
+  (no unbounded queue) and every admitted request is still exact. The burst's clients do not
+  retry (`max_retries=0`): the SDK's own retries after `busy` would turn refusals into late
+  successes on a fast machine, and admission is what is tested here.
 * Sustained load: closed-loop clients issue requests back to back for a fixed time, the clients
   spread over the modes (cloud-only, spec, split — every mode whose services exist); nothing
   fails but `busy`, every result equals transformers', resident memory of every service after
@@ -65,7 +67,7 @@ def test_burst_over_capacity_is_answered_busy(env, prompts, assert_same_tokens):
             return i, "busy", None, time.monotonic() - t
 
     async def go():
-        clients = [AsyncClient(env.endpoint("dispatcher")) for _ in range(4)]
+        clients = [AsyncClient(env.endpoint("dispatcher"), max_retries=0) for _ in range(4)]
         try:
             return await asyncio.gather(*[one(clients[i % 4], i) for i in range(n)])
         finally:
@@ -75,7 +77,9 @@ def test_burst_over_capacity_is_answered_busy(env, prompts, assert_same_tokens):
     ok = [o for o in out if o[1] == "ok"]
     busy = [o for o in out if o[1] == "busy"]
     assert len(ok) + len(busy) == n
-    assert len(ok) >= MAX_SESSIONS and busy, (len(ok), len(busy))
+    # every request arrives before any of the first MAX_SESSIONS can finish (each needs a cloud
+    # prefill and 8 decode steps), so at most a few slots free up during the burst
+    assert len(ok) >= MAX_SESSIONS and len(busy) >= n // 4, (len(ok), len(busy))
     for i, _, r, _ in ok:
         p, want = prompts[i % len(prompts)]
         assert_same_tokens(p, r.token_ids, want[:8], f"burst {i}")
