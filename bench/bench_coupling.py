@@ -1,5 +1,5 @@
 """`tandem bench coupling`: accepted draft tokens per verification round under the two sampling
-couplings (issue #14 item 7), on the same held-out prompts and seeds.
+couplings, on the same held-out prompts and seeds.
 
 * rejection: speculative sampling, a draft x ~ q accepted with min(1, p(x)/q(x)) (1 - TV(p, q)
   per position in expectation);

@@ -23,7 +23,7 @@ configuration's ratio to `tuned`: the ratio of means over the same (prompt, repe
 configurations are interleaved, the order reversed every other repeat, so drift in machine load
 spreads over all of them.  The dispatcher's settings are the same everywhere; its BO autotuner
 is off unless --bo (it explores for the first ~1500 accepted tokens, noise unrelated to threads).
-The goals (issue #17): planned TPT <= 1.1x the best hand-set configuration in each mode; planned
+The goals: planned TPT <= 1.1x the best hand-set configuration in each mode; planned
 spec TTFT <= 2x planned cloud-only TTFT.
 """
 
@@ -146,7 +146,7 @@ def result_rows(samples: dict, configs: list[str], modes: list[str], base: str =
 
 
 def goals(rows: list[dict], base_configs=("tuned", "unplanned", "passive")) -> list[str]:
-    """Issue #17's goals, checked on these rows (a line each, met or not)."""
+    """The goals, checked on these rows (a line each, met or not)."""
     out = []
     by = {(r["mode"], r["config"]): r for r in rows}
     for mode in MODES:

@@ -15,17 +15,17 @@ the table gives the median over reps with the spread (min-max), and ratios are t
   decode        ms per token, one session decoding `steps` tokens after a `context`-token
                 prompt: transformers' own forward with DynamicCache vs the runner (goal <= 1.05x)
   batch x8      one ragged step of 8 sessions (contexts context .. context+21), one new token
-                each, vs the runner's 1-session decode: tokens/s ratio (goal >= 6x, #20)
+                each, vs the runner's 1-session decode: tokens/s ratio (goal >= 6x)
   verify k=8    one forward of the last committed token and 8 draft tokens, logits for all 9
                 (what the verifier feeds a round of 8 drafts: services/verifier/spec.py), then
-                rollback, vs decoding 1 token: time ratio (goal <= 1.2x, #20)
+                rollback, vs decoding 1 token: time ratio (goal <= 1.2x)
   decode oneDNN the same decode with oneDNN's prepacked products (gemm="onednn", the runner's
                 products before the panel kernel), when the runner runs the panel kernel
   prefill 512   one 512-token prompt into an empty cache (logits for the last token)
   --gemm        every product of a decode step, and the LM-head product (49152x576) alone, by
                 method and row count: why the runner has its own kernel (common/runner.py)
 
-The limits, measured in the same interleaved reps (bench/runner_limits.py, issue #20):
+The limits, measured in the same interleaved reps (bench/runner_limits.py):
   read          the machine's read bandwidth (the fastest of torch.mv, a sum and the panel
                 kernel over an fp32 buffer the size of the model's weights); floor = the bytes
                 a decode step streams / that bandwidth
@@ -141,7 +141,7 @@ TREE_PARENTS = [x for d in range(8) for x in [d * 4 - 4 if d else -1] * 4]   # 8
 
 def tree_vs_chain(runner, ctx: int, steps: int, reps: int, limits: dict | None = None,
                   step_bytes: int = 0) -> tuple[list[dict], dict]:
-    """Rows and samples of "tree 32 vs chain 8" (#14's runner goal): the verifier's forward for
+    """Rows and samples of "tree 32 vs chain 8" (the tree runner goal): the verifier's forward for
     a 32-node token tree (depth 8: a main path and 3 siblings at each depth; the root's token +
     32 nodes with tree attention, logits for all, then the accepted path kept by
     SessionKV.move_rows) vs for an 8-token chain (the root's token + 8, then truncate), time
@@ -429,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     tree_limits = {k: cases[k] for k in ("read_bw", "fma_peak") if k in cases}
     tree_rows, samples["tree_vs_chain"] = tree_vs_chain(runner, args.context, args.steps,
                                                         args.reps, tree_limits, step_bytes)
-    print(f"\ntoken tree verify (#14): {args.steps} calls/rep, {args.reps} reps")
+    print(f"\ntoken tree verify: {args.steps} calls/rep, {args.reps} reps")
     print(table(tree_rows, [("case", "case"), ("median", "median"), ("min", "min"),
                             ("max", "max"), ("unit", "unit"), ("goal", "goal")]))
     rows += tree_rows

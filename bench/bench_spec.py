@@ -1,7 +1,7 @@
 """Speculative policies side by side on a real workload, tuned alike, against a clairvoyant bound.
 
 PipeSD and its baselines (DESIGN.md §3) on the same prompts, the same drafter and the same
-verifier, over an emulated WAN — measured so that a skeptic can accept the comparison (#13).
+verifier, over an emulated WAN — measured so that a skeptic can accept the comparison.
 
     tandem bench spec [--workload humaneval|mtbench|builtin] [--prompts N] [--quick] [--json PATH]
                       [--scenario s1|s2|s3|s4|lan|none] [--model smollm2-135m|gemma3-270m]
@@ -74,7 +74,7 @@ from common.progress import Progress
 
 POLICIES = ["cloud-only", "vanilla", "hsl", "edgellm", "pipesd", "pipesd-stream",
             "pipesd-learned", "oracle-trigger"]
-TREE_POLICIES = ["tree", "tree-stream"]   # issue #14: run when named in --policies
+TREE_POLICIES = ["tree", "tree-stream"]   # run when named in --policies
 EDGE_QUOTA = {"s2": 0.5, "s3": 0.25}   # slower edges: the drafter's share of its one core
 LINK_OF = {"s2": "s1", "s3": "s1"}     # ... on S1's link
 
@@ -316,7 +316,7 @@ def measured_request(c, p: str, ids: list[int], n: int, knobs, meter: Meter,
             "edge_cpu_s_per_token": sum(d.get(k, 0.0) for k in EDGE) / tokens,
             "cloud_s_per_token": d.get(CLOUD, 0.0) / tokens,
             "joules_per_token": None if j0 is None or j1 is None else (j1 - j0) / tokens,
-            # vLLM's acceptance length less the bonus token (issue #14 item 6)
+            # vLLM's acceptance length less the bonus token
             "accepted_tokens_per_round": (st.get("accepted_tokens") or 0) / st["rounds"]
             if st.get("rounds") else None,
             **{key: st.get(key) for key in RUN_STATS}}

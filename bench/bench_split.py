@@ -516,7 +516,7 @@ def goals(sections: dict) -> dict:
 
 
 def standard_fields(row: dict, recordings_ok: bool = True) -> dict:
-    """The results' common names (issue #5): scheduler, concurrency, throughput_tok_s,
+    """The results' common names: scheduler, concurrency, throughput_tok_s,
     mean_latency_s, identical_to_reference (every token equal to the recording, and the
     recordings equal to transformers' greedy output), next to each section's own fields."""
     out = dict(row)

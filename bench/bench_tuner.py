@@ -14,7 +14,7 @@ tuner is neither used nor fed by those requests), through the same services and 
 The searches run in a seeded random order. A search's best evaluation is biased low (the minimum
 of noisy samples), so every search's chosen point, and the untuned default (0.90, 0.94), are then
 re-measured together, interleaved, `--repeats` times: those re-measured TPTs are the result. The
-goal (issue #3): BO within 10 % of the best grid point after 16 samples. Welch's t compares each
+goal: BO within 10 % of the best grid point after 16 samples. Welch's t compares each
 chosen point's re-measured TPT with grid's (|t| > 2.5: significant).
 """
 

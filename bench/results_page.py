@@ -53,7 +53,7 @@ def _knobs(tp: dict | None) -> str:
 
 
 def spec_workload_section(doc: dict, name: str) -> str:
-    """A `tandem bench spec` run on a real workload (issue #13): tuned policies, bound, intervals,
+    """A `tandem bench spec` run on a real workload: tuned policies, bound, intervals,
     cloud and edge cost per token, and the load sweep when there is one."""
     rows = [r for r in doc["results"] if r.get("policy") and r.get("kind") != "load"]
     loads = [r for r in doc["results"] if r.get("kind") == "load"]
@@ -110,11 +110,11 @@ def spec_workload_section(doc: dict, name: str) -> str:
                       f"{by['pipesd']['tpt_over_bound']:.3f} "
                       f"{_ci(by['pipesd'].get('tpt_over_bound_ci95'))}", "reported"])
     if goals:
-        lines += ["", "Goals (issue #13):", ""]
+        lines += ["", "Goals:", ""]
         lines.append(_md_table(goals, ["goal", "target", "this run", "status"]))
     tree_goals = token_tree_goals(by)
     if tree_goals:
-        lines += ["", "Goals (issue #14), from the same run:", ""]
+        lines += ["", "Goals, from the same run:", ""]
         lines.append(_md_table(tree_goals, ["goal", "target", "this run", "status"]))
     energy = [r for r in rows if r.get("edge_cpu_s_per_token") is not None and not sweep]
     if energy:
@@ -165,7 +165,7 @@ CHAIN_POLICIES = ("vanilla", "hsl", "edgellm", "pipesd", "pipesd-stream", "pipes
 
 
 def token_tree_goals(by: dict[str, dict]) -> list[list]:
-    """Issue #14's goals, where the run has the policies they compare: `tree` against pipesd
+    """The goals, where the run has the policies they compare: `tree` against pipesd
     and the best chain policy (paired over the test prompts), `pipesd-learned` against the
     clairvoyant chain bound."""
     goals = []
@@ -233,7 +233,7 @@ def spec_section(doc: dict, name: str) -> str:
             goals.insert(1, [f"the same on the workload's TPT (all time / all tokens; best "
                              f"baseline {wbest})", ">= 1.16",
                              by[wbest]["tpt_ms_workload"] / by["pipesd"]["tpt_ms_workload"], None])
-        lines += ["", "Goals (issue #3), from the medians above; Welch's t of the other policy "
+        lines += ["", "Goals, from the medians above; Welch's t of the other policy "
                       "against pipesd (|t| > 2.5: significant):", ""]
         lines.append(_md_table(goals, ["goal", "target", "this run", "Welch t"]))
     if not sweep and "oracle-trigger" in by and set(BASELINES) <= set(by):
@@ -333,7 +333,7 @@ def split_section(doc: dict, name: str) -> str:
                                         "trials with lower latency"]))
     goals = doc.get("goals") or {}
     if goals:
-        lines += ["", "Goals (DySCo Table III / V; issue #4), at the highest Poisson load:", ""]
+        lines += ["", "Goals (DySCo Table III / V), at the highest Poisson load:", ""]
         lines.append(_md_table([[k, v[1], v[0], v[2]] for k, v in goals.items()],
                                ["comparison", "target %", "this run %", "Welch t"]))
     at8 = {r["scheduler"]: r["throughput_tok_s"] for r in rows
@@ -370,7 +370,7 @@ def tuner_section(doc: dict, name: str) -> str:
                             "identical"]))
     bo = next((r for r in doc["results"] if r["search"] == "bo"), None)
     if bo is not None:
-        lines += ["", f"Goal (issue #3): BO within 10 % of the best grid point after "
+        lines += ["", f"Goal: BO within 10 % of the best grid point after "
                       f"{doc.get('budget')} samples — this run: BO/grid = {_f(bo.get('vs_grid'))} "
                       f"(mean ratio's 95 % CI {_ci(ci(bo))})."]
     return "\n".join(lines)
@@ -380,7 +380,7 @@ def runner_section(doc: dict, name: str) -> str:
     lines = [f"### LayerRangeRunner against transformers — `{name}` ({doc.get('threads')} threads, "
              f"scenario `{doc.get('scenario')}`)", "",
              "Median over reps with the range; ratios taken per rep (paired). Goals from the "
-             "foundation issue and #20. Where the run measured its limits (bench/runner_limits.py)"
+             "project's runner targets. Where the run measured its limits (bench/runner_limits.py)"
              ": the bandwidth floor is the bytes a decode step streams over the read bandwidth "
              "measured in the same reps (a GEMV alone in runs before the CPU kernels), and "
              "llama.cpp runs the same weights as an ALL_F32 GGUF.",
@@ -416,7 +416,7 @@ def defaults_section(doc: dict, name: str) -> str:
            _md_table(rows, ["mode", "config", "n", "TPT ms", "TTFT ms",
                             f"TPT / {base} [95% CI]", f"TTFT / {base} [95% CI]"])]
     if doc.get("goals"):
-        out += ["", "Goals (issue #17):", ""] + [f"* {g}" for g in doc["goals"]]
+        out += ["", "Goals:", ""] + [f"* {g}" for g in doc["goals"]]
     plan = doc.get("plan", {}).get("planned")
     if plan:
         out += ["", "The plan: " + "; ".join(
@@ -433,7 +433,7 @@ def coupling_section(doc: dict, name: str) -> str:
             for r in doc["results"]]
     return (f"### Sampling couplings — `{name}`\n\nAccepted draft tokens per verification round "
             "(mean over (prompt, seed) pairs, 95 % bootstrap intervals, the ratio paired), "
-            "rejection sampling vs the Gumbel-max coupling (#14 item 7).\n\n"
+            "rejection sampling vs the Gumbel-max coupling.\n\n"
             + _md_table(rows, ["policy", "pairs", "rejection", "95 % CI", "gumbel", "95 % CI",
                                "gumbel / rejection", "95 % CI"]))
 
@@ -457,7 +457,7 @@ def main(argv=None) -> int:
              "How to read it. Method (bench/report.py, each bench's docstring): warm-up first, "
              "conditions interleaved or in randomised order, services pinned to cores, every "
              "output compared with transformers' generate(do_sample=False). The speculative "
-             "runs (issue #13) measure a real workload (HumanEval by default) on test prompts "
+             "runs measure a real workload (HumanEval by default) on test prompts "
              "held apart from the tuning prompts on which every policy with knobs was tuned by "
              "the same BO with the same budget; every ratio there carries a 95 % bootstrap "
              "interval over the test prompts (paired), and every policy is compared with a "

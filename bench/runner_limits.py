@@ -1,4 +1,4 @@
-"""The limits the runner is measured against in every `tandem bench runner` run (issue #20):
+"""The limits the runner is measured against in every `tandem bench runner` run:
 
 * the machine's read bandwidth: the fastest of a torch matrix-vector product, a plain sum and
   the runner's panel kernel over an fp32 buffer as large as the model's weights, on the bench's

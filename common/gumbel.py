@@ -1,5 +1,5 @@
 """Gumbel noise keyed by (seed, absolute position): the shared randomness of the Gumbel-max
-sampling coupling (`Sampling.coupling = "gumbel"`, docs/design.md, issue #14 item 7).
+sampling coupling (`Sampling.coupling = "gumbel"`, docs/design.md).
 
 The Gumbel-max trick: with g_i i.i.d. standard Gumbel, argmax_i(log p_i + g_i) is an exact
 sample from p. If every service that picks a token at position n uses the *same* noise vector

@@ -539,7 +539,7 @@ def _check_sizes(msg: Msg, limits: Limits) -> None:
             raise ProtocolError(TOO_LARGE,
                                 f"{name} has {len(value)} entries > limit {limits.max_tokens} "
                                 f"(max_tokens)", field=name)
-    for name in ("parents", "path"):      # token trees (#14): one entry per node
+    for name in ("parents", "path"):      # token trees: one entry per node
         value = getattr(msg, name, None)
         if value is not None and len(value) > limits.max_tokens:
             raise ProtocolError(TOO_LARGE,

@@ -4,7 +4,7 @@ A model service left to its libraries takes every core for its torch / llama.cpp
 llama.cpp drafter four, whatever the machine has), and OpenMP lets a thread that waits for work
 spin for ~3 ms (ACTIVE: minutes).  Several such services on one machine then fight: the drafter,
 the verifier and the dispatcher take turns within every speculative round, and each turn can wait
-for the others' spinning threads to be descheduled (issue #17).  `plan()` gives each service a
+for the others' spinning threads to be descheduled.  `plan()` gives each service a
 share:
 
 * From SPLIT_FROM usable cores on, the **edge half** (drafter, dispatcher) and the **cloud

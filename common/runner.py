@@ -159,7 +159,7 @@ class Segment:
     kv: SessionKV
     x: torch.Tensor      # LongTensor [n] token ids when a == 0, else float [n, hidden]
     logits: str = "last"  # when b == L: "last" -> [1, V], "all" -> [n, V]; ignored when b < L
-    # A token tree (#14): each new token's position minus the cache length (a tree node's
+    # A token tree: each new token's position minus the cache length (a tree node's
     # depth + 1 after the root's token; None = 0..n-1) and which new tokens each one sees
     # (bool [n, n], row i: token i's ancestors and itself; None = causal). Every new token
     # sees the whole cache. K/V rows are stored in token order, so after verification the

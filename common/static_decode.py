@@ -1,5 +1,5 @@
 """One session's one-token decode step with static shapes, so that on a GPU it can be captured
-once as a CUDA graph and replayed per token (#20 item 5): the per-token cost is then one graph
+once as a CUDA graph and replayed per token: the per-token cost is then one graph
 launch instead of ~30 kernel launches per layer from Python.
 
 Static shapes: the step attends over the session's whole KV capacity (reserved up front, zeros

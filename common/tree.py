@@ -1,4 +1,4 @@
-"""Token trees (#14): the shape arithmetic every layer shares, pure and model-free.
+"""Token trees: the shape arithmetic every layer shares, pure and model-free.
 
 A tree round carries nodes 0..N-1 in topological order; parents[i] == -1 for a child of the
 round's root (the session's last committed token), else an earlier node's index. Node i sits at

@@ -1,4 +1,4 @@
-"""The shape of a token tree (issue #14, EAGLE-2 / Sequoia style). Pure: no I/O, no model.
+"""The shape of a token tree (EAGLE-2 / Sequoia style). Pure: no I/O, no model.
 
 The drafter grows a tree one depth at a time (one batched decode per depth). Every node has an
 estimated *path-acceptance probability* P: the probability that the target accepts it and all

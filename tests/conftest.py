@@ -24,6 +24,19 @@ NEAR_TIE = 1e-4   # DESIGN.md §5: a top-2 logit margin under this is a floating
 
 PROMPTS = BUILTIN_PROMPTS   # shipped in the package: `tandem bench` must not need tests/
 
+# Modules whose assertions need the machine to themselves: delays measured through the WAN
+# emulator, heartbeat and deadline races, replica balance and memory under load, a supervisor's
+# backoff. scripts/test.sh runs them alone after everything else, which runs on two workers.
+SERIAL_MODULES = {"test_wan", "test_chaos", "test_partitions", "test_faults", "test_load",
+                  "test_replicas_process", "test_replicas_launcher", "test_runtime",
+                  "test_api_curve", "test_observability", "test_cli"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.stem in SERIAL_MODULES:
+            item.add_marker(pytest.mark.serial)
+
 
 def long_prompt(tokenizer, n_tokens: int = 1100) -> list[int]:
     """A ≥1000-token prompt written for this project (no data set needed)."""

@@ -1,5 +1,5 @@
 """The `pipesd-learned` NAV trigger: PipeSD's dual threshold replaced by an online model of
-P(next draft token accepted) and a stopping rule priced with the link model (issue #14 item 5).
+P(next draft token accepted) and a stopping rule priced with the link model.
 
 Pure, no I/O, no clock: the dispatcher feeds it draft tokens (with the drafter's features),
 round outcomes and, through `costs()`, its current link and drafter estimates.

@@ -64,7 +64,7 @@ POLICIES = {
     # tokens it knows are lost (3-4 % of its TPT in an S1 run, the drafter sharing its core).
     "oracle-trigger": Policy("oracle-trigger", "oracle-trigger", dp=True, proactive=False,
                              stream=False, bo=False),
-    # Token trees (issue #14): the tree's shape ends a round (no NAV trigger); each depth's
+    # Token trees: the tree's shape ends a round (no NAV trigger); each depth's
     # nodes go out as they are drafted; knobs "cs" (cost scale) and "m" (max nodes)
     "tree": Policy("tree", "tree", dp=True, proactive=True, stream=False, bo=False, tree=True),
     "tree-stream": Policy("tree-stream", "tree", dp=True, proactive=True, stream=True, bo=False,

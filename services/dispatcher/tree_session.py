@@ -1,4 +1,4 @@
-"""One speculative session's token-tree rounds on the dispatcher (issue #14, policies `tree` and
+"""One speculative session's token-tree rounds on the dispatcher (policies `tree` and
 `tree-stream`). Pure: no I/O, no clock; the counterpart of spec_session.SpecRounds for trees,
 with the same actions and the same face to spec_mode.SpecRun.
 

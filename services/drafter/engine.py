@@ -24,7 +24,7 @@ because only whole chunks of the same tokens at the same positions are kept (a p
 evaluated in `n_batch` chunks from position 0, and llama.cpp's batched kernels may round a token
 differently in a chunk of another length), or the whole prompt when it is the same prompt.
 
-Token trees (issue #14; DraftSession.tree_begin / tree_step): a session opened with
+Token trees (DraftSession.tree_begin / tree_step): a session opened with
 `tree_nodes` > 0 gets a unified KV cache with tree_nodes + 1 sequences and room for the nodes.
 Sequence 0 is the session's context; a tree round grows one depth per llama_decode, every node
 of that depth in the batch. A node continues its parent's sequence if it is the parent's first

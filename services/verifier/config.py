@@ -9,7 +9,7 @@ class VerifierConfig(ModelServiceConfig):
     max_batch_sessions: int = setting(32, "sessions in one forward call", ge=1)
     stream_verify: bool = setting(True, "run the forward over draft batches as they arrive")
     max_tree_nodes: int = setting(
-        64, "nodes in one token-tree round (#14); a round over it is refused with too_large", ge=1)
+        64, "nodes in one token-tree round; a round over it is refused with too_large", ge=1)
     max_tree_depth: int = setting(
         32, "depth of one token-tree round (its longest root path); over it is too_large", ge=1)
     spec_threads: int = setting(

@@ -24,7 +24,7 @@ Streaming verification (`stream`): the forward runs over tokens as they arrive, 
 checked at once, and a rejected draft resolves the round immediately (VerifyResult early=True)
 without waiting for the NAV. Without it the forward runs at NAV time over the round (PipeSD).
 
-Tree rounds (#14, services/verifier/spec_tree.py): a round whose batches carry `parents` is a
+Tree rounds (services/verifier/spec_tree.py): a round whose batches carry `parents` is a
 token tree, verified at its NAV in one forward over all its nodes; its result names the accepted
 path. Proactive rounds behind it (chains extending its main path) wait, as received, until it
 resolves, and are then taken as if they arrived after its result: kept only if the whole main

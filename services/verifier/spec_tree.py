@@ -1,4 +1,4 @@
-"""Tree rounds of a speculative session on the verifier (#14; the wire format is DraftBatch's
+"""Tree rounds of a speculative session on the verifier (the wire format is DraftBatch's
 docstring in common/protocol.py).
 
 A tree round's nodes arrive in batches (in order, contiguous, `first_node` = nodes received so

@@ -116,7 +116,7 @@ def check_q(token_ids: list[int], q_ids: np.ndarray, q_probs: np.ndarray, vocab:
 
 
 # ---------------------------------------------------------------------------------------------
-# Token trees (#14): the target's token at one tree node, given that node's children.
+# Token trees: the target's token at one tree node, given that node's children.
 #
 # A verifier walks a tree from the root: at each node it asks `tree_choose` for the target's
 # token at the next position and which child (if any) carries it; it descends into that child or

@@ -1,5 +1,5 @@
 """The benchmarks run green from a clean checkout (`tandem bench ... --quick`), write the JSON
-shape the results page reads (issue #5's field names) and a plot, and every output they checked
+shape the results page reads (the field names) and a plot, and every output they checked
 was identical to the reference.  Slow: each starts its own services; together a few minutes."""
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ SPEC_FIELDS = {"policy", "tpt_ms", "ci95", "tuned_params", "tpt_over_bound", "cl
 
 
 def test_bench_spec_quick(tmp_path):
-    """The issue #13 shape: HumanEval split into tuning and test prompts, every knobbed policy
+    """The shape: HumanEval split into tuning and test prompts, every knobbed policy
     tuned by the same BO with the same budget on the tuning prompts only, every row with its
     interval, its knobs, its TPT over the clairvoyant bound (>= 1), cloud seconds and edge
     CPU-seconds per token, and outputs identical to transformers'. Every evaluation has its

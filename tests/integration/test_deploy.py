@@ -256,7 +256,7 @@ def test_dashboards_cover_the_design():
                         "tandem_time_per_accepted_token_seconds_sum",
                         "tandem_spec_draft_length_bucket", "tandem_spec_nav_triggers_total",
                         "tandem_spec_policy_parameter", "tandem_spec_proactive_tokens_total",
-                        # vLLM's shape, for chains and trees (issue #14 item 6)
+                        # vLLM's shape, for chains and trees
                         "tandem_spec_accepted_tokens_per_round_bucket",
                         "tandem_spec_accepted_tokens_per_depth_total",
                         "tandem_spec_draft_tokens_per_depth_total",

@@ -1,4 +1,4 @@
-"""deploy/k8s/ validated offline (issue #18), and CURVE by default across hosts (compose too).
+"""deploy/k8s/ validated offline, and CURVE by default across hosts (compose too).
 
 * `kubectl kustomize` renders every overlay (cpu, gpu);
 * `kubernetes-validate` (PyPI) validates every object strictly against the pinned Kubernetes

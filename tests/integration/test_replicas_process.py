@@ -1,4 +1,4 @@
-"""Replicated cloud services with real processes (issue #18):
+"""Replicated cloud services with real processes:
 
 * rolling restart under load: 2 verifier + 2 suffix replicas shared by 3 dispatchers (three
   edges), cloud-only and split requests kept in flight; every cloud replica in turn gets SIGTERM

@@ -1,4 +1,4 @@
-"""Sampling end to end (issue #13, DESIGN.md §5 invariant 3): seeded draws through the running
+"""Sampling end to end (DESIGN.md §5 invariant 3): seeded draws through the running
 services follow the distribution that *transformers* computes — its own forward pass and its own
 logits processors (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, in generate()'s
 order) — not the one common/sampling.py computes.
@@ -20,7 +20,7 @@ A chi-square test over the tokens with an expected count of at least 5 (the rest
 not reject at p < 1e-4; a token transformers gives probability 0 must never be drawn. Slow:
 minutes per mode.
 
-Under the Gumbel coupling (`sampling_coupling="gumbel"`, issue #14 item 7) a seed fixes the
+Under the Gumbel coupling (`sampling_coupling="gumbel"`) a seed fixes the
 output whatever the mode: TANDEM_GUMBEL_DRAWS seeds (default 400) give token-for-token the same
 draws in cloud-only, spec (pipesd, vanilla) and split mode, and those draws pass the same
 chi-square against transformers."""

@@ -140,7 +140,7 @@ def test_a_checkpoint_summarizes_only_prompts_every_policy_finished():
 
 
 def test_the_page_judges_token_trees_goals_from_the_same_run():
-    """Issue #14's goals: tree against pipesd and the best chain policy (paired), and
+    """The goals: tree against pipesd and the best chain policy (paired), and
     pipesd-learned against the bound, each with its target and a met / NOT met verdict."""
     from bench.bench_spec import policy_rows
     runs, names, bound_ms = synthetic_runs()

@@ -1,4 +1,4 @@
-"""The Gumbel-max sampling coupling (issue #14 item 7, common/gumbel.py): noise keyed by
+"""The Gumbel-max sampling coupling (common/gumbel.py): noise keyed by
 (seed, position) that is the same on the edge (numpy, llama.cpp logits) and in the cloud (torch),
 draws that are exact samples of the target's distribution, acceptance exactly when the draft is
 the target's token, and the wire's rule for the field."""
@@ -171,7 +171,7 @@ def test_gumbel_spec_mode_speculates_and_accepts(stack, tokenizer):
                        mode="spec", policy="vanilla", **SAMPLED)
     assert r.stats["rounds"] >= 1 and r.stats["draft_tokens"] >= 1
     assert r.stats["accepted_tokens"] >= 1     # the drafter's noise is the target's
-    # the dispatcher's vLLM-shaped histogram saw this request's rounds (issue #14 item 6)
+    # the dispatcher's vLLM-shaped histogram saw this request's rounds
     assert per_round("sum") - before[0] == r.stats["accepted_tokens"]
     assert per_round("count") - before[1] == r.stats["rounds"]
     assert list(r.token_ids) == _gen(stack, ids, 3, mode="cloud-only")

@@ -74,7 +74,7 @@ def test_a_one_token_spec_request_opens_no_drafter_session(stack, ids, reference
 
 @pytest.mark.parametrize("policy", ["tree", "tree-stream"])
 def test_trees_equal_transformers_on_every_prompt(stack, ids, reference, policy):
-    """Greedy token trees (issue #14): every test prompt, token for token, with trees made
+    """Greedy token trees: every test prompt, token for token, with trees made
     wide by a low cost scale."""
     for p in ids:
         r = _gen(stack, p, mode="spec", policy=policy, policy_knobs={"cs": 0.05, "m": 24})

@@ -1,4 +1,4 @@
-"""The `pipesd-learned` trigger (services/dispatcher/learned_trigger.py, issue #14 item 5): its
+"""The `pipesd-learned` trigger (services/dispatcher/learned_trigger.py): its
 online model learns a synthetic acceptance law and follows it when the law changes, and its
 stopping rule lengthens rounds when the link's round trip grows (the WAN emulator's schedule
 drives the RTT) and shortens them when it recovers, close to the best fixed draft length of

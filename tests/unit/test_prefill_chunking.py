@@ -1,4 +1,4 @@
-"""The verifier's step planning (#20 item 3): a long prompt is chunked to the step's token budget
+"""The verifier's step planning: a long prompt is chunked to the step's token budget
 and planned after every session already decoding, so it delays their decode steps by at most
 one chunk; no processes, no model."""
 

@@ -1,4 +1,4 @@
-"""Token trees on the wire (#14): DraftBatch.parents / first_node, VerifyRequest.nodes and
+"""Token trees on the wire: DraftBatch.parents / first_node, VerifyRequest.nodes and
 VerifyResult.path round-trip, and what a batch shows by itself about its tree is checked while
 it is decoded (the round-level rules are the verifier's: tests/unit/test_verifier_tree.py)."""
 

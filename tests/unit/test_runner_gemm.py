@@ -1,4 +1,4 @@
-"""#20: the runner's matrix products (common/cpu_kernels.py's panel kernel, oneDNN's prepacked
+"""The runner's matrix products (common/cpu_kernels.py's panel kernel, oneDNN's prepacked
 weights), its fused norm, and the limits `tandem bench runner` measures against
 (bench/runner_limits.py)."""
 

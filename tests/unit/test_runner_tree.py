@@ -1,4 +1,4 @@
-"""Tree attention in LayerRangeRunner (#14 item 3): one forward over a token tree, where each
+"""Tree attention in LayerRangeRunner: one forward over a token tree, where each
 node sees the session's cache and its own ancestors at position start + depth, gives for every
 node the logits transformers gives for the prompt followed by that node's root path. Checked on
 every tiny architecture of test_architectures.py (sliding windows, soft-capping, partial RoPE,

@@ -1,4 +1,4 @@
-"""Speculative metrics in vLLM's shape (issue #14 item 6): accepted tokens per verification round
+"""Speculative metrics in vLLM's shape: accepted tokens per verification round
 (histogram), acceptance per depth, tree nodes per round, and `accepted_tokens_per_round` in the
 bench's JSON rows."""
 

@@ -1,4 +1,4 @@
-"""Tree verification's walk step without a model (services/verifier/spec_verify.py, #14):
+"""Tree verification's walk step without a model (services/verifier/spec_verify.py):
 recursive rejection sampling over siblings drawn from q without replacement emits exactly the
 target's distribution, checked by enumerating every draw on a tiny vocabulary and by a
 chi-square test over seeded draws through `tree_choose`; greedy matches the argmax."""

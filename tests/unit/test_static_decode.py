@@ -1,4 +1,4 @@
-"""The static-shape decode step (common/static_decode.py, #20 item 5) run eagerly on the CPU:
+"""The static-shape decode step (common/static_decode.py) run eagerly on the CPU:
 the same logits as the runner's forward and transformers, for every family (sliding windows,
 soft-capping, q/k norms), and its refusals. On a CUDA device the same step is captured as a CUDA
 graph; that path is exercised only where torch sees a GPU."""

@@ -1,4 +1,4 @@
-"""Token trees on the drafter (issue #14 item 1): the engine's tree rounds on llama.cpp's
+"""Token trees on the drafter: the engine's tree rounds on llama.cpp's
 multi-sequence KV, and the service's tree requests, their stream and their errors (in-process)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Token trees, the pure parts (issue #14): the shape rule (common/tree_shape.py), the online
+"""Token trees, the pure parts: the shape rule (common/tree_shape.py), the online
 inputs it gets (services/dispatcher/tree_policy.py) and a session's tree rounds on the
 dispatcher (services/dispatcher/tree_session.py)."""
 

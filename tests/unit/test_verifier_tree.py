@@ -1,4 +1,4 @@
-"""Tree rounds on the verifier (#14 items 2-3, 8), driven message by message: the real Verifier
+"""Tree rounds on the verifier, driven message by message: the real Verifier
 object with the bundled SmolLM2 target, every message encoded, decoded and dispatched as the
 service does (`_dispatch`), the engine stepped by hand. Trees are built from transformers' own
 top-k, reordered and cut so that some nodes match and some do not; greedy output must equal
