@@ -537,14 +537,17 @@ def summarize(runs: dict[tuple, list[dict]], uplinks: list, policies: list[str],
 
 
 def main(argv=None) -> int:
+    from common.wan import SCENARIOS
     ap = argparse.ArgumentParser(prog="tandem bench spec", description=__doc__.split("\n")[0])
-    ap.add_argument("--workload", default="humaneval", choices=workloads.WORKLOADS)
+    ap.add_argument("--workload", default="humaneval", type=str.lower, choices=workloads.WORKLOADS)
     ap.add_argument("--prompts", type=int, default=0,
                     help="measure only the first N prompts of the test set (default: all of it)")
     ap.add_argument("--quick", action="store_true",
                     help="CI size: 2 test prompts, 16 tokens, tuning budget 3 on 1 prompt each")
     ap.add_argument("--json", help="write results here")
-    ap.add_argument("--scenario", default="s1", help="s1 | s2 | s3 | s4 | lan | none (loopback)")
+    ap.add_argument("--scenario", default="s1", type=str.lower,   # the paper writes S1
+                    choices=sorted({*SCENARIOS, *LINK_OF, "none"}),
+                    help="the emulated link (none: plain loopback)")
     ap.add_argument("--model", default="", help="a named model (`tandem models list`), its "
                     "prepared target and Q4_0 drafter; default: the bundled SmolLM2")
     ap.add_argument("--drafter", default="", help="bundled (Q4_0) | bundled-q4_1 | NAME | "

@@ -61,7 +61,7 @@ def _run_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--listen", type=_address, required=True, help="HOST:PORT to accept on")
     p.add_argument("--target", type=_address, required=True, help="HOST:PORT to forward to")
-    p.add_argument("--scenario", choices=sorted(SCENARIOS), default=None,
+    p.add_argument("--scenario", type=str.lower, choices=sorted(SCENARIOS), default=None,
                    help="named link shape (flags below override it)")
     p.add_argument("--partition-mode", choices=PARTITION_MODES, default="hold",
                    help="hold: queue bytes through a partition; cut: close and refuse connections")

@@ -431,8 +431,9 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("down", help="stop the services started by `up --detach`")
     st = sub.add_parser("status", help="health of the local services")
     st.add_argument("--json", action="store_true")
-    sv = sub.add_parser("serve", help="run one service in the foreground")
-    sv.add_argument("service")
+    # no -h of its own: `tandem serve SERVICE --help` is the service's, listing its settings
+    sv = sub.add_parser("serve", help="run one service in the foreground", add_help=False)
+    sv.add_argument("service", choices=(*SERVICE_NAMES, "api"))
     g = sub.add_parser("generate", help="one request through the SDK")
     g.add_argument("prompt")
     g.add_argument("--endpoint", default=os.environ.get("TANDEM_ENDPOINT", "tcp://127.0.0.1:5550"))
@@ -465,6 +466,9 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("bench", help="benchmarks (see `tandem bench --help`)", add_help=False)
     sub.add_parser("keys", help="CURVE key pairs (see `tandem keys --help`)", add_help=False)
 
+    if argv and argv[:2] in (["serve", "-h"], ["serve", "--help"]):
+        sv.print_help()
+        return 0
     if argv and argv[0] in ("link", "bench", "keys"):
         module = {"link": "common.wan_cli", "bench": "bench.cli", "keys": "tandem.keys"}[argv[0]]
         return importlib.import_module(module).main(argv[1:]) or 0
