@@ -27,11 +27,13 @@ from dataclasses import dataclass
 
 import torch
 
+from common.errors import ConfigurationError
+
 # RoPE types whose inverse frequencies do not depend on the sequence length.
 STATIC_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
 
 
-class UnsupportedModel(ValueError):
+class UnsupportedModel(ConfigurationError, ValueError):
     """The checkpoint's architecture or one of its options is not supported by the runner."""
 
 
@@ -99,12 +101,37 @@ def check_config(cfg, fam: Family, where: str = "") -> None:
                                    f"(one of {sorted(STATIC_ROPE_TYPES)})")
 
 
+def load_config(model_dir, where: str = ""):
+    """(family, config) of an HF model directory, as transformers reads it (AutoConfig, so every
+    RoPE and layer-type layout transformers loads is normalised the same way), checked for all
+    the runner builds from it: what this accepts, the runner serves, and `tandem models check`
+    says so from this alone."""
+    import json
+    from pathlib import Path
+
+    from transformers import AutoConfig
+
+    raw = json.loads((Path(model_dir) / "config.json").read_text())
+    fam = family_of(raw.get("model_type"), where)
+    try:
+        cfg = AutoConfig.from_pretrained(str(model_dir))
+    except (ValueError, KeyError, TypeError) as e:   # transformers' own refusal of the config
+        raise UnsupportedModel(f"{where}transformers cannot read its config: {e}") from None
+    check_config(cfg, fam, where)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    try:
+        rope_kinds(cfg, head_dim)
+        layer_plan(cfg)
+    except UnsupportedModel as e:
+        raise UnsupportedModel(f"{where}{e}") from None
+    return fam, cfg
+
+
 def _rope_params(cfg) -> dict[str | None, dict]:
-    """RoPE parameters per layer type (Gemma 3 keys them by layer type), else {None: params}."""
+    """RoPE parameters per layer type (Gemma 3 keys them by layer type, for every type it knows,
+    also those no layer of a small checkpoint has), else {None: params}."""
     params = getattr(cfg, "rope_parameters", None) or {}
-    types = set(getattr(cfg, "layer_types", None) or ())
-    if params and types and set(params) <= types and all(isinstance(v, dict)
-                                                          for v in params.values()):
+    if params and all(isinstance(v, dict) for v in params.values()):
         return dict(params)
     return {None: params}
 

@@ -16,3 +16,8 @@ class TandemError(Exception):
         self.code = code
         self.message = message
         self.field = field
+
+
+class ConfigurationError(Exception):
+    """What a service was told to serve cannot be served (an unsupported model, a missing file):
+    the service exits with this one line instead of a traceback."""

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.errors import ConfigurationError
 from common.progress import Progress
 
 BUNDLED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -37,7 +38,7 @@ TOKENIZER_PROBE = (
 )
 
 
-class ModelError(RuntimeError):
+class ModelError(ConfigurationError, RuntimeError):
     """A model is missing, unsupported or inconsistent with its peer."""
 
 
@@ -281,16 +282,13 @@ def check_pair(target: Path, drafter: Path | None) -> dict:
     """What `tandem models check` reports: the target's architecture and whether the runner
     supports it, and (with a drafter) whether the two tokenise the probe text identically.
     Raises ModelError when either check fails."""
-    from common.architectures import UnsupportedModel, check_config, family_of
+    from common.architectures import UnsupportedModel, load_config
 
     raw = json.loads((target / "config.json").read_text())
     report = {"target": str(target), "model_type": raw.get("model_type"),
               "architectures": raw.get("architectures")}
     try:
-        fam = family_of(raw.get("model_type"))
-        from transformers import AutoConfig
-
-        check_config(AutoConfig.from_pretrained(str(target)), fam)
+        fam, _ = load_config(target)
     except UnsupportedModel as e:
         raise ModelError(f"target {target}: {e}") from e
     report.update(family=fam.name, layers=raw.get("num_hidden_layers"), supported=True)

@@ -57,13 +57,7 @@ import torch
 import torch.nn.functional as F
 
 from common import cpu_kernels as kernels
-from common.architectures import (
-    ACTIVATIONS,
-    check_config,
-    family_of,
-    layer_plan,
-    rope_kinds,
-)
+from common.architectures import ACTIVATIONS, layer_plan, load_config, rope_kinds
 
 # The row count oneDNN tunes its blocked weight layout for (gemm="onednn").
 PACK_ROWS = 8
@@ -219,13 +213,8 @@ class LayerRangeRunner:
                  device: str | torch.device = "cpu", gemm: str = "auto"):
         model_dir = Path(model_dir)
         self.device = resolve_device(device)
-        raw = json.loads((model_dir / "config.json").read_text())
-        where = f"{model_dir}: "
-        self.family = fam = family_of(raw.get("model_type"), where)
-        from transformers import AutoConfig
-
-        cfg = AutoConfig.from_pretrained(str(model_dir))
-        check_config(cfg, fam, where)
+        fam, cfg = load_config(model_dir, f"{model_dir}: ")
+        self.family = fam
         if threads is not None:
             torch.set_num_threads(threads)
 

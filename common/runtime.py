@@ -31,7 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from common import metrics, protocol, security
 from common.config import ServiceConfig
-from common.errors import TandemError
+from common.errors import ConfigurationError, TandemError
 from common.protocol import Msg, ProtocolError
 
 Handler = Callable[[bytes, Msg, list], Awaitable[None]]
@@ -649,7 +649,7 @@ class Service:
             await self.serve()
         try:
             runner(main())
-        except (security.KeyFileError, BindError) as e:  # configuration errors: no traceback
+        except (security.KeyFileError, BindError, ConfigurationError) as e:   # no traceback
             raise SystemExit(f"{self.name}: {e}") from None
         if self.failure:   # a loop the service needs ended: a supervisor must restart us
             raise SystemExit(f"{self.name}: {self.failure}")

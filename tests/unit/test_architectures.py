@@ -56,6 +56,9 @@ CONFIGS = {
                                             sliding_attention=dict(rope_type="default",
                                                                    rope_theta=1e4)))),
     "phi3": ("Phi3Config", dict(partial_rotary_factor=0.5, sliding_window=9)),
+    # transformers' own defaults: RoPE keyed by layer type for both types, every layer of a
+    # checkpoint this small sliding (the layout today's transformers saves)
+    "gemma3-defaults": ("Gemma3TextConfig", dict(sliding_window=6)),
 }
 # Prompts longer than every window, so sliding layers really drop keys.
 PROMPT = [1, 17, 33, 90, 5, 64, 12, 100, 7, 45, 77, 23, 3, 118, 56]
@@ -116,7 +119,8 @@ def test_every_family_is_covered():
 # Which of the runner's CPU kernel paths (common/runner.py) each family takes, so that the tests
 # below check the kernels against transformers rather than a silent fallback to torch's ops.
 KERNEL_PATH = {"llama3": "layer", "llama-bias": "layer", "mistral": "layer", "qwen2": "layer", "qwen3": "layer",
-               "phi3": "layer", "gemma3": "attention",   # sandwich norms, GELU: op by op
+               "phi3": "layer",
+               "gemma3": "attention", "gemma3-defaults": "attention",   # sandwich norms, GELU
                "gemma2": "ops"}                          # soft-capped scores: torch's attention
 
 
@@ -214,3 +218,20 @@ def test_unsupported_option_fails_at_load(tmp_path):
     cfg.save_pretrained(str(tmp_path))
     with pytest.raises(UnsupportedModel, match="dynamic"):
         LayerRangeRunner(tmp_path)
+
+
+def test_models_check_refuses_what_serving_refuses(tmp_path, monkeypatch):
+    """`tandem models check` reads the config as the runner does (architectures.load_config):
+    whatever the runner's config-derived setup refuses (here RoPE, made to refuse), the check
+    refuses too, so it never calls supported a model that serving then rejects."""
+    from common import architectures, models
+    build("gemma3-defaults", tmp_path)
+    assert models.check_pair(tmp_path, None)["supported"]
+
+    def refuse(cfg, head_dim):
+        raise UnsupportedModel("rope: not this one")
+    monkeypatch.setattr(architectures, "rope_kinds", refuse)
+    with pytest.raises(UnsupportedModel, match="not this one"):
+        LayerRangeRunner(tmp_path)
+    with pytest.raises(models.ModelError, match="not this one"):
+        models.check_pair(tmp_path, None)
