@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from common.launcher import Cluster, Supervisor
+from tests.conftest import wait_until
 from tests import _reliability as rel
 from tests._reliability import Recorder
 
@@ -165,6 +166,16 @@ class Sampler:
         return out
 
 
+REPLICAS = ("verifier", "verifier-1", "suffix", "suffix-1")
+STEADY_S = 8.0
+
+
+def holds(cloud: Cluster, name: str) -> bool:
+    """The replica is admitting and holds at least one session."""
+    p = cloud.procs[name]
+    return ready(p.http_port) and (sessions_gauge(p.http_port) or 0) >= 1
+
+
 def handed_back(log: str) -> int:
     text = Path(log).read_text(errors="replace") if Path(log).exists() else ""
     return sum(int(m) for m in re.findall(r"handed back (\d+) session", text))
@@ -179,10 +190,10 @@ def test_rolling_restart_under_load(fleet, prompts, assert_same_tokens):
     try:
         sampler.thread.start()
         load.thread.start()
-        time.sleep(4.0)                        # the first sessions are placed
+        wait_until(lambda: all(holds(cloud, n) for n in REPLICAS), 120, "sessions on every replica")
         t_load = time.monotonic()
-        time.sleep(15.0)                       # a steady phase before any restart
-        for name in ("verifier", "verifier-1", "suffix", "suffix-1"):
+        time.sleep(STEADY_S)                   # a steady phase before any restart
+        for name in REPLICAS:
             t0 = time.monotonic()
             cloud.stop(name, signal.SIGTERM, timeout=DRAIN_S + 20)   # drains, then exits
             t_exit = time.monotonic()
@@ -192,8 +203,9 @@ def test_rolling_restart_under_load(fleet, prompts, assert_same_tokens):
             restarts.append({"replica": name, "drain_and_exit_s": round(t_exit - t0, 2),
                              "restart_to_ready_s": round(t_ready - t_exit, 2)})
             restart_windows.append((t0, t_ready))
-            time.sleep(10.0)                   # steady load after each restart
-        time.sleep(10.0)                       # and a steady phase after the last restart
+            # the restarted replica takes new sessions again before the next one goes
+            wait_until(lambda n=name: holds(cloud, n), 120, f"sessions placed on {name}")
+        time.sleep(STEADY_S)                   # and a steady phase after the last restart
         t_unload = time.monotonic()
         load.stop.set()
         load.thread.join(10)
@@ -259,6 +271,9 @@ def test_rolling_restart_under_load(fleet, prompts, assert_same_tokens):
         assert b["steady_samples"] > 0, balance
         assert b["steady_max_gap"] <= 4, balance
         assert b["steady_samples_gap_ge_3"] <= 0.2 * b["steady_samples"], balance
+        # and in most samples the replicas are as even as the sessions allow (load-blind
+        # placement leaves a gap of 2 or more in most of them)
+        assert b["steady_samples_gap_ge_2"] <= 0.5 * b["steady_samples"], balance
 
 
 @pytest.fixture()
