@@ -17,6 +17,9 @@ if TYPE_CHECKING:   # for annotations only: the dispatcher imports this module
     from services.dispatcher.service import Dispatcher
 
 
+EVENT_TOKENS = 64   # tokens per TokenEvent when they carry log-probabilities
+
+
 class Detokenizer:
     """Incremental detokenisation: emit text only once a token sequence decodes to whole
     characters (a multi-byte character may span tokens)."""
@@ -74,9 +77,12 @@ class Request:
     def remaining(self) -> float:
         return max(0.0, self.deadline - time.monotonic())
 
-    async def emit(self, token_ids: list[int], degraded: bool = False) -> bool:
-        """Append committed tokens to the client's stream. Returns False once the request is
-        complete (max_tokens reached or EOS emitted); tokens past that point are dropped."""
+    async def emit(self, token_ids: list[int], degraded: bool = False,
+                   logprobs: list[protocol.TokenLogprob] | None = None) -> bool:
+        """Append committed tokens to the client's stream, with the target's TokenLogprob of
+        each when the request asked for them (`logprobs`, one per token; None from the edge
+        alone). Returns False once the request is complete (max_tokens reached or EOS emitted);
+        tokens past that point are dropped."""
         if self.done:
             return False
         out = []
@@ -100,12 +106,18 @@ class Request:
             for _ in out:
                 metrics.ITL.labels(*labels).observe(gap)
         self.last_token_at = now
-        index = len(self.tokens)
-        self.tokens.extend(out)
         metrics.GENERATED_TOKENS.labels(*labels).inc(len(out))
-        await self.d.send(self.ident, protocol.TokenEvent(
-            sid=self.msg.sid, rid=self.rid, index=index, token_ids=out,
-            text=self.detok.push(out), degraded=degraded))
+        lps = None if self.msg.logprobs is None or logprobs is None else logprobs[:len(out)]
+        # with log-probabilities a token takes ~14 bytes per alternative: events stay small
+        step = EVENT_TOKENS if lps is not None else len(out)
+        for i in range(0, len(out), step):
+            part = out[i:i + step]
+            index = len(self.tokens)
+            self.tokens.extend(part)
+            await self.d.send(self.ident, protocol.TokenEvent(
+                sid=self.msg.sid, rid=self.rid, index=index, token_ids=part,
+                text=self.detok.push(part), degraded=degraded,
+                logprobs=None if lps is None else lps[i:i + step]))
         return not self.done
 
     def summary(self) -> dict:
