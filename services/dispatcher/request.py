@@ -7,11 +7,14 @@ and never sends a token twice, whatever the mode does (DESIGN.md §5, invariant 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from typing import TYPE_CHECKING
 
 from common import metrics, protocol, sampling
+
+log = logging.getLogger("tandem.dispatcher")
 
 if TYPE_CHECKING:   # for annotations only: the dispatcher imports this module
     from services.dispatcher.service import Dispatcher
@@ -107,7 +110,12 @@ class Request:
                 metrics.ITL.labels(*labels).observe(gap)
         self.last_token_at = now
         metrics.GENERATED_TOKENS.labels(*labels).inc(len(out))
-        lps = None if self.msg.logprobs is None or logprobs is None else logprobs[:len(out)]
+        lps = None
+        if self.msg.logprobs is not None and logprobs is not None:
+            lps = logprobs[:len(out)]
+            if len(lps) < len(out):   # a peer's short list: the tokens go out without them
+                log.warning("%s: %d logprobs for %d tokens", self.sid, len(lps), len(out))
+                lps = None
         # with log-probabilities a token takes ~14 bytes per alternative: events stay small
         step = EVENT_TOKENS if lps is not None else len(out)
         for i in range(0, len(out), step):
