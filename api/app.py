@@ -435,7 +435,7 @@ class Gateway:
                         else "stop"
                     tail = scan.flush()
                     if tail or held:
-                        yield Piece(tail, held)
+                        yield Piece(tail, held, choice.lp_chars)
                     return
                 choice.tokens += len(chunk.token_ids)
                 if wants:
@@ -453,9 +453,10 @@ class Gateway:
                     held = keep
                 if text or (stopped and held):
                     run.first()
+                    piece = Piece(text, held, choice.lp_chars)
                     choice.chars += len(text)
                     choice.lp_chars += sum(len(self.token_str(t)) for t, _ in held)
-                    yield Piece(text, held)
+                    yield piece
                     held = []
                 if stopped:
                     choice.finish = "stop"
@@ -503,11 +504,12 @@ class Gateway:
 
 
 class Piece:
-    """Text released to the client, and the (token id, TokenLogprob) of the tokens with it."""
-    __slots__ = ("text", "entries")
+    """Text released to the client, the (token id, TokenLogprob) of the tokens with it, and
+    where the first of those tokens' text starts in the choice's text."""
+    __slots__ = ("text", "entries", "offset")
 
-    def __init__(self, text: str, entries: list):
-        self.text, self.entries = text, entries
+    def __init__(self, text: str, entries: list, offset: int = 0):
+        self.text, self.entries, self.offset = text, entries, offset
 
 
 class Choice:
@@ -712,7 +714,7 @@ def create_app(cfg: ApiConfig | None = None) -> Starlette:
             lps = None
             if wants and piece is not None and piece.entries:
                 lps = gw.chat_logprobs(piece.entries) if chat else \
-                    gw.completion_logprobs(piece.entries, c.chars - len(text))
+                    gw.completion_logprobs(piece.entries, piece.offset)
             if chat:
                 delta = ({"role": "assistant", "content": ""} if first else
                          {} if text is None else {"content": text})

@@ -663,6 +663,15 @@ def test_completions_logprobs_legacy_shape_in_split_mode(client, tokenizer, refe
         assert len(top) == 3 and lp["tokens"][j] in top   # greedy: the token is the top one
         for v, i in zip(*want[j].topk(3)):
             assert abs(top[tokenizer.decode([int(i)])] - float(v)) < 1e-4
+    # a stop string: the tokens whose text begins before it are the answer's, no later one
+    full = tokenizer.decode(out)
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    r = client.completions.create(model=MODEL, prompt=PROMPTS["code"], max_tokens=6,
+                                  temperature=0, logprobs=0, stop=[stop])
+    kept = r.choices[0].logprobs.tokens
+    cut = r.choices[0].text
+    assert cut == full[:full.index(stop)] and "".join(kept).startswith(cut)
+    assert len("".join(kept[:-1])) < len(cut) and len(kept) < 6
 
 
 def test_n_choices_seeded_reproducible_and_summed(client, tokenizer, reference):
