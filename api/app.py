@@ -363,7 +363,7 @@ class Gateway:
         path = models.resolve_target(self.cfg.target)
         self.tokenizer = await asyncio.to_thread(_load_tokenizer, path)
         self.model_ids = tuple(dict.fromkeys((self.cfg.model, Path(path).name)))
-        with contextlib.suppress(OSError, ValueError, AttributeError):
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError, AttributeError):
             config = json.loads((Path(path) / "config.json").read_text())
             config = config.get("text_config", config)   # multimodal configs nest it
             self.max_model_len = int(config["max_position_embeddings"])
@@ -405,6 +405,10 @@ class Gateway:
                                param="prompt", code="invalid_value")
             return prompt
         return await self._tokens(lambda: self.tokenizer.encode(prompt), len(prompt))
+
+    async def text_ids(self, text: str, special_tokens: bool = True) -> list[int]:
+        return await self._tokens(
+            lambda: self.tokenizer.encode(text, add_special_tokens=special_tokens), len(text))
 
     def check_length(self, ids: list[int], param: str) -> None:
         if not ids:
@@ -810,9 +814,7 @@ def create_app(cfg: ApiConfig | None = None) -> Starlette:
                 prompt = body["prompt"]
                 if not isinstance(prompt, str):
                     raise _type_error("prompt", "a string", prompt)
-                special = get_bool(body, "add_special_tokens", True)
-                ids = await gw._tokens(
-                    lambda: gw.tokenizer.encode(prompt, add_special_tokens=special), len(prompt))
+                ids = await gw.text_ids(prompt, get_bool(body, "add_special_tokens", True))
             else:
                 ids = await gw.chat_ids(chat_messages(body, cfg.max_messages))
             return JSONResponse({"count": len(ids), "max_model_len": gw.max_model_len,
