@@ -698,6 +698,6 @@ def test_n_choices_seeded_reproducible_and_summed(client, tokenizer, reference):
         extra_body={"mode": "spec", "ignore_eos": True})
     assert [c.message.content for c in whole.choices] == [streamed[i] for i in range(3)]
     greedy = client.completions.create(model=MODEL, prompt=PROMPTS["plain"], max_tokens=5,
-                                       temperature=0, n=2)
+                                       temperature=0, n=2, extra_body={"mode": "split", "cut": 6})
     want = greedy_text(tokenizer, reference, tokenizer.encode(PROMPTS["plain"]), 5)[0]
     assert [c.text for c in greedy.choices] == [want, want]
