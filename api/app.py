@@ -4,7 +4,13 @@
     POST /v1/completions            prompt -> text
     POST /v1/chat/completions       messages (system / developer / user / assistant) -> text,
                                     rendered with the target's chat template here
+    POST /tokenize /detokenize      text or messages <-> token ids (vLLM's shapes)
     GET  /metrics /healthz /readyz  Prometheus metrics, liveness, readiness
+    GET  /health                    200, empty, while serving (vLLM's probe)
+
+`n` > 1 runs n generations on the dispatcher at once (seed + i, or distinct random seeds), one
+choice each. `logprobs` (chat: with `top_logprobs`; completions: an integer) are the target's
+own log-probabilities, log_softmax of its raw logits before temperature (vLLM's default).
 
 `stream: true` answers Server-Sent Events in OpenAI's chunk shape ending with `data: [DONE]`
 (`stream_options.include_usage` adds a usage chunk). `stop` strings are found in the decoded
@@ -29,6 +35,7 @@ import contextlib
 import json
 import logging
 import math
+import random
 import time
 import uuid
 from pathlib import Path
@@ -52,10 +59,10 @@ MODES = metrics.MODES
 
 # Request fields Tandem cannot honour: refused (400 naming the field) when set to anything but
 # their "off" value, rather than silently ignored.
-UNSUPPORTED_CHAT = ("logprobs", "top_logprobs", "tools", "tool_choice", "functions",
+UNSUPPORTED_CHAT = ("tools", "tool_choice", "functions",
                     "function_call", "logit_bias", "presence_penalty", "frequency_penalty",
                     "response_format", "audio", "modalities", "prediction", "web_search_options")
-UNSUPPORTED_COMPLETIONS = ("logprobs", "logit_bias", "presence_penalty", "frequency_penalty",
+UNSUPPORTED_COMPLETIONS = ("logit_bias", "presence_penalty", "frequency_penalty",
                            "best_of", "echo", "suffix")
 
 
@@ -66,8 +73,6 @@ def _is_off(name: str, value: Any) -> bool:
             and not isinstance(value, bool) and value == 0:
         return True
     if name == "best_of" and value == 1 and not isinstance(value, bool):
-        return True
-    if name == "logprobs" and value == 0 and not isinstance(value, bool):
         return True
     if name == "tool_choice" and value == "none":
         return True
@@ -184,29 +189,42 @@ def get_str(body: dict, name: str, default: str = "") -> str:
     return v
 
 
+def check_model(body: dict, model_ids: tuple[str, ...], required: bool = False) -> str:
+    """The request's model, one this server serves (optional on /tokenize, as vLLM's)."""
+    model = body.get("model")
+    if model is None:
+        if not required:
+            return model_ids[0]
+        raise ApiError(400, "model: required (GET /v1/models lists the served model)",
+                       param="model", code="missing_required_parameter")
+    if not isinstance(model, str):
+        raise _type_error("model", "a string", model)
+    if model not in model_ids:
+        raise ApiError(400, f"model {model!r} does not exist; this server serves "
+                       f"{model_ids[0]!r}", param="model", code="model_not_found")
+    return model
+
+
 class Params:
     """What one request asks for, checked: the SDK's keyword arguments and the gateway's own."""
 
     def __init__(self, body: dict, cfg: ApiConfig, route: str, model_ids: tuple[str, ...]):
         chat = route == "/v1/chat/completions"
-        model = body.get("model")
-        if model is None:
-            raise ApiError(400, "model: required (GET /v1/models lists the served model)",
-                           param="model", code="missing_required_parameter")
-        if not isinstance(model, str):
-            raise _type_error("model", "a string", model)
-        if model not in model_ids:
-            raise ApiError(400, f"model {model!r} does not exist; this server serves "
-                           f"{model_ids[0]!r}", param="model", code="model_not_found")
-        self.model = model
+        self.model = check_model(body, model_ids, required=True)
         for name in UNSUPPORTED_CHAT if chat else UNSUPPORTED_COMPLETIONS:
             if name in body and not _is_off(name, body[name]):
                 raise ApiError(400, f"{name} is not supported by Tandem", param=name,
                                code="unsupported_parameter")
-        n = get_int(body, "n", 1, lo=1, hi=128)
-        if n != 1:
-            raise ApiError(400, "n: only n = 1 is supported (send one request per choice)",
-                           param="n", code="unsupported_value")
+        self.n = get_int(body, "n", 1, lo=1, hi=cfg.max_n)
+        if chat:
+            wants = get_bool(body, "logprobs")
+            top = get_int(body, "top_logprobs", None, lo=0, hi=cfg.max_top_logprobs)
+            if top is not None and not wants:
+                raise ApiError(400, "top_logprobs: only allowed with logprobs: true",
+                               param="top_logprobs", code="invalid_value")
+            self.logprobs = (top or 0) if wants else None
+        else:
+            self.logprobs = get_int(body, "logprobs", None, lo=0, hi=cfg.max_top_logprobs)
         self.stream = get_bool(body, "stream")
         opts = body.get("stream_options")
         self.include_usage = False
@@ -254,7 +272,18 @@ class Params:
             deadline_s=cfg.request_timeout_s if deadline is None else deadline,
             allow_edge_only=get_bool(body, "allow_edge_only"),
             stop_at_eos=not get_bool(body, "ignore_eos"),
-            nav_thresholds=None if nav is None else (float(nav[0]), float(nav[1])))
+            nav_thresholds=None if nav is None else (float(nav[0]), float(nav[1])),
+            logprobs=self.logprobs)
+
+    def seeds(self) -> list[int | None]:
+        """Each choice's seed: the request's + i, or, for n > 1 without one, distinct random
+        seeds (so sampled choices differ); greedy choices are all the same answer."""
+        seed = self.sdk["seed"]
+        if self.n == 1:
+            return [seed]
+        if seed is None:
+            return random.sample(range(2**62), self.n)
+        return [seed + i for i in range(self.n)]
 
 
 # --- prompts ------------------------------------------------------------------------------------
@@ -324,6 +353,8 @@ class Gateway:
         self.ready = False
         self.model_ids: tuple[str, ...] = (cfg.model,)
         self.created = int(time.time())
+        self.max_model_len = cfg.max_prompt_tokens   # the target's context length, once loaded
+        self._token_strs: dict[int, str] = {}
 
     async def start(self) -> None:
         from common import models
@@ -332,6 +363,10 @@ class Gateway:
         path = models.resolve_target(self.cfg.target)
         self.tokenizer = await asyncio.to_thread(_load_tokenizer, path)
         self.model_ids = tuple(dict.fromkeys((self.cfg.model, Path(path).name)))
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError, AttributeError):
+            config = json.loads((Path(path) / "config.json").read_text())
+            config = config.get("text_config", config)   # multimodal configs nest it
+            self.max_model_len = int(config["max_position_embeddings"])
         self.client = AsyncClient(
             self.cfg.dispatcher, timeout_s=self.cfg.request_timeout_s,
             connect_timeout_s=self.cfg.connect_timeout_s,
@@ -371,6 +406,10 @@ class Gateway:
             return prompt
         return await self._tokens(lambda: self.tokenizer.encode(prompt), len(prompt))
 
+    async def text_ids(self, text: str, special_tokens: bool = True) -> list[int]:
+        return await self._tokens(
+            lambda: self.tokenizer.encode(text, add_special_tokens=special_tokens), len(text))
+
     def check_length(self, ids: list[int], param: str) -> None:
         if not ids:
             raise ApiError(400, f"{param}: empty prompt", param=param, code="invalid_value")
@@ -380,31 +419,51 @@ class Gateway:
                            code="context_length_exceeded")
 
     # --- one generation ---
-    async def pieces(self, run: "Run") -> AsyncIterator[str]:
-        """The text to send, in pieces; run.finish / run.tokens / run.stats filled as it goes.
+    async def pieces(self, run: "Run", choice: "Choice") -> AsyncIterator[Piece]:
+        """One choice's text to send, in pieces, each with the log-probabilities of the tokens
+        it releases (when asked for); choice.finish / .tokens / .stats filled as it goes.
         Closing this generator (or cancelling its task) cancels the request on the dispatcher."""
-        agen = self.client.generate(run.ids, end_client=run.client, **run.params.sdk)
+        agen = self.client.generate(run.ids, end_client=run.client,
+                                    **{**run.params.sdk, "seed": choice.seed})
         scan = StopScanner(run.params.stop)
+        wants = run.params.logprobs is not None
+        held: list[tuple[int, Any]] = []   # (token id, TokenLogprob) not sent yet
         try:
             while True:
                 try:
                     chunk = await agen.__anext__()
                 except StopAsyncIteration:
                     r = agen.result   # this stream's own (concurrent streams have theirs)
-                    run.stats = dict(r.stats) if r is not None else {}
-                    run.finish = "length" if r is not None and r.finish_reason == "length" \
+                    choice.stats = dict(r.stats) if r is not None else {}
+                    choice.finish = "length" if r is not None and r.finish_reason == "length" \
                         else "stop"
                     tail = scan.flush()
-                    if tail:
-                        yield tail
+                    if tail or held:
+                        yield Piece(tail, held, choice.lp_chars)
                     return
-                run.tokens += len(chunk.token_ids)
+                choice.tokens += len(chunk.token_ids)
+                if wants:
+                    held += zip(chunk.token_ids, chunk.logprobs or [None] * len(chunk.token_ids))
                 text, stopped = scan.feed(chunk.text)
-                if text:
-                    run.first()
-                    yield text
                 if stopped:
-                    run.finish = "stop"
+                    # the tokens that begin before the cut are the answer's; later ones are not
+                    sent, keep = choice.chars + len(text), []
+                    at = choice.lp_chars
+                    for t, lp in held:
+                        if at >= sent:
+                            break
+                        keep.append((t, lp))
+                        at += len(self.token_str(t))
+                    held = keep
+                if text or (stopped and held):
+                    run.first()
+                    piece = Piece(text, held, choice.lp_chars)
+                    choice.chars += len(text)
+                    choice.lp_chars += sum(len(self.token_str(t)) for t, _ in held)
+                    yield piece
+                    held = []
+                if stopped:
+                    choice.finish = "stop"
                     metrics.CANCELLED.labels(run.route, "stop").inc()
                     return   # the finally closes the SDK stream: Cancel to the dispatcher
         except (GeneratorExit, asyncio.CancelledError):
@@ -413,21 +472,85 @@ class Gateway:
         finally:
             await agen.aclose()
 
+    # --- log-probabilities in OpenAI's shapes ---
+    def token_str(self, token: int) -> str:
+        s = self._token_strs.get(token)
+        if s is None:
+            s = self._token_strs[token] = self.tokenizer.decode([token])
+        return s
+
+    def chat_logprobs(self, entries: list) -> dict:
+        """{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}"""
+        def one(t: int, lp: float) -> dict:
+            s = self.token_str(t)
+            return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+        return {"content": [{**one(t, lp.logprob), "top_logprobs": [
+            one(i, v) for i, v in zip(lp.top_ids, lp.top_logprobs)]}
+            for t, lp in entries if lp is not None], "refusal": None}
+
+    def completion_logprobs(self, entries: list, offset: int) -> dict:
+        """The legacy shape: tokens, token_logprobs, top_logprobs ({token: logprob}, the
+        sampled token included as vLLM does) and text_offset (into the choice's text, from
+        `offset`)."""
+        out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for t, lp in entries:
+            if lp is None:
+                continue
+            s = self.token_str(t)
+            out["tokens"].append(s)
+            out["token_logprobs"].append(lp.logprob)
+            top = {self.token_str(i): v for i, v in zip(lp.top_ids, lp.top_logprobs)}
+            top.setdefault(s, lp.logprob)
+            out["top_logprobs"].append(top)
+            out["text_offset"].append(offset)
+            offset += len(s)
+        return out
+
+
+class Piece:
+    """Text released to the client, the (token id, TokenLogprob) of the tokens with it, and
+    where the first of those tokens' text starts in the choice's text."""
+    __slots__ = ("text", "entries", "offset")
+
+    def __init__(self, text: str, entries: list, offset: int = 0):
+        self.text, self.entries, self.offset = text, entries, offset
+
+
+class Choice:
+    """One of a request's n generations."""
+
+    def __init__(self, index: int, seed: int | None):
+        self.index, self.seed = index, seed
+        self.tokens = 0
+        self.finish: str | None = None
+        self.stats: dict = {}
+        self.chars = 0       # text sent so far
+        self.lp_chars = 0    # text of the tokens whose log-probabilities were sent
+
 
 class Run:
-    """One generation's bookkeeping."""
+    """One request's bookkeeping: its n choices."""
 
     def __init__(self, route: str, ids: list[int], params: Params, client: str = ""):
         self.route, self.ids, self.params = route, ids, params
         self.client = client   # the API key's identity: the dispatcher's per-client limits
+        self.choices = [Choice(i, seed) for i, seed in enumerate(params.seeds())]
         self.t0 = time.monotonic()
         self.ttft: float | None = None
-        self.tokens = 0
-        self.finish: str | None = None
-        self.stats: dict = {}
         self.id = ("chatcmpl-" if route == "/v1/chat/completions" else "cmpl-") + \
             uuid.uuid4().hex[:24]
         self.created = int(time.time())
+
+    @property
+    def tokens(self) -> int:
+        return sum(c.tokens for c in self.choices)
+
+    def stats(self) -> dict:
+        """The dispatcher's per-request stats (n > 1: the first choice's, and every choice's
+        under "choices")."""
+        if len(self.choices) == 1:
+            return self.choices[0].stats
+        return {**self.choices[0].stats, "choices": [c.stats for c in self.choices]}
 
     def first(self) -> None:
         if self.ttft is None:
@@ -529,8 +652,21 @@ def create_app(cfg: ApiConfig | None = None) -> Starlette:
             return e.response()
 
     async def whole(run: Run, chat: bool, request: Request) -> Response:
-        async def collect() -> str:
-            return "".join([p async for p in gw.pieces(run)])
+        async def collect(choice: Choice) -> tuple[str, list]:
+            text, entries = [], []
+            async for piece in gw.pieces(run, choice):
+                text.append(piece.text)
+                entries += piece.entries
+            return "".join(text), entries
+
+        async def collect_all() -> list[tuple[str, list]]:
+            tasks = [asyncio.ensure_future(collect(c)) for c in run.choices]
+            try:
+                return await asyncio.gather(*tasks)
+            finally:   # one choice failed (or the client left): the others end too
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
 
         async def disconnected() -> None:
             while (await request.receive())["type"] != "http.disconnect":
@@ -538,7 +674,7 @@ def create_app(cfg: ApiConfig | None = None) -> Starlette:
 
         metrics.ACTIVE.labels(run.route).inc()
         # a client that goes away before the answer cancels the request on the dispatcher
-        gen = asyncio.ensure_future(collect())
+        gen = asyncio.ensure_future(collect_all())
         watch = asyncio.ensure_future(disconnected())
         try:
             await asyncio.wait((gen, watch), return_when=asyncio.FIRST_COMPLETED)
@@ -546,40 +682,66 @@ def create_app(cfg: ApiConfig | None = None) -> Starlette:
                 gen.cancel()
                 await asyncio.gather(gen, return_exceptions=True)
                 return Response(status_code=499)   # nobody is listening
-            text = gen.result()
+            answers = gen.result()
         except TandemError as e:
             raise from_tandem(e, cfg.retry_after_s) from None
         finally:
             watch.cancel()
             metrics.ACTIVE.labels(run.route).dec()
         run.done()
-        if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text,
-                                              "refusal": None},
-                      "logprobs": None, "finish_reason": run.finish}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": run.finish}
+        wants = run.params.logprobs is not None
+        choices = []
+        for c, (text, entries) in zip(run.choices, answers):
+            if chat:
+                choices.append({"index": c.index, "message": {"role": "assistant",
+                                                              "content": text, "refusal": None},
+                                "logprobs": gw.chat_logprobs(entries) if wants else None,
+                                "finish_reason": c.finish})
+            else:
+                choices.append({"index": c.index, "text": text,
+                                "logprobs": gw.completion_logprobs(entries, 0) if wants
+                                else None, "finish_reason": c.finish})
         return JSONResponse({
             "id": run.id, "object": "chat.completion" if chat else "text_completion",
             "created": run.created, "model": run.params.model, "system_fingerprint": None,
-            "choices": [choice], "usage": run.usage(), "tandem": run.stats})
+            "choices": choices, "usage": run.usage(), "tandem": run.stats()})
 
     async def stream(run: Run, chat: bool) -> Response:
         head = {"id": run.id, "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": run.created, "model": run.params.model, "system_fingerprint": None}
         usage_null = {"usage": None} if run.params.include_usage else {}
+        wants = run.params.logprobs is not None
 
-        def chunk(text: str | None, finish: str | None, first: bool = False) -> bytes:
+        def chunk(c: Choice, piece: Piece | None, finish: str | None,
+                  first: bool = False) -> bytes:
+            text = None if piece is None else piece.text
+            lps = None
+            if wants and piece is not None and piece.entries:
+                lps = gw.chat_logprobs(piece.entries) if chat else \
+                    gw.completion_logprobs(piece.entries, piece.offset)
             if chat:
                 delta = ({"role": "assistant", "content": ""} if first else
                          {} if text is None else {"content": text})
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+                choice = {"index": c.index, "delta": delta, "logprobs": lps,
+                          "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": text or "", "logprobs": None,
+                choice = {"index": c.index, "text": text or "", "logprobs": lps,
                           "finish_reason": finish}
             return _sse({**head, "choices": [choice], **usage_null})
 
-        pieces = gw.pieces(run)
+        # every choice's pieces into one queue: (choice, Piece | None at its end | an error)
+        queue: asyncio.Queue = asyncio.Queue()
+        gens = [gw.pieces(run, c) for c in run.choices]
+
+        async def pump(c: Choice, gen) -> None:
+            try:
+                async for piece in gen:
+                    queue.put_nowait((c, piece))
+                queue.put_nowait((c, None))
+            except Exception as e:  # noqa: BLE001 - the stream's reader raises it
+                queue.put_nowait((c, e))
+
+        tasks = [asyncio.ensure_future(pump(c, g)) for c, g in zip(run.choices, gens)]
         metrics.ACTIVE.labels(run.route).inc()
         closed = False
 
@@ -588,13 +750,17 @@ def create_app(cfg: ApiConfig | None = None) -> Starlette:
             if not closed:
                 closed = True
                 metrics.ACTIVE.labels(run.route).dec()
-                await pieces.aclose()   # unless finished: Cancel to the dispatcher
+                for t in tasks:   # unless finished: Cancel to the dispatcher
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                for g in gens:
+                    await g.aclose()
 
         # The first piece before the answer starts: an error up to there is an HTTP status.
         try:
-            first: str | None = await pieces.__anext__()
-        except StopAsyncIteration:
-            first = None
+            first = await queue.get()
+            if isinstance(first[1], BaseException):
+                raise first[1]
         except TandemError as e:
             await close()
             raise from_tandem(e, cfg.retry_after_s) from None
@@ -605,13 +771,22 @@ def create_app(cfg: ApiConfig | None = None) -> Starlette:
         async def events() -> AsyncIterator[bytes]:
             try:
                 if chat:
-                    yield chunk(None, None, first=True)
-                if first is not None:
-                    yield chunk(first, None)
-                    async for text in pieces:
-                        yield chunk(text, None)
+                    for c in run.choices:
+                        yield chunk(c, None, None, first=True)
+                item, left = first, len(run.choices)
+                while True:
+                    c, piece = item
+                    if isinstance(piece, BaseException):
+                        raise piece
+                    if piece is None:
+                        yield chunk(c, None, c.finish)
+                        left -= 1
+                        if not left:
+                            break
+                    else:
+                        yield chunk(c, piece, None)
+                    item = await queue.get()
                 run.done()
-                yield chunk(None, run.finish)
                 if run.params.include_usage:
                     yield _sse({**head, "choices": [], "usage": run.usage()})
                 yield _sse("[DONE]")
@@ -622,6 +797,57 @@ def create_app(cfg: ApiConfig | None = None) -> Starlette:
 
         return EventStream(events(), close, media_type="text/event-stream",
                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    # --- vLLM's token routes and probe ---
+    async def tokenize(request: Request) -> Response:
+        try:
+            authorize(request)
+            if not gw.ready:
+                raise ApiError(503, "the gateway is starting", code="unavailable",
+                               type="service_unavailable_error")
+            body = await read_body(request, cfg.max_body_bytes)
+            check_model(body, gw.model_ids)
+            if ("prompt" in body) == ("messages" in body):
+                raise ApiError(400, "prompt or messages: send one of them", param="prompt",
+                               code="missing_required_parameter")
+            if "prompt" in body:
+                prompt = body["prompt"]
+                if not isinstance(prompt, str):
+                    raise _type_error("prompt", "a string", prompt)
+                ids = await gw.text_ids(prompt, get_bool(body, "add_special_tokens", True))
+            else:
+                ids = await gw.chat_ids(chat_messages(body, cfg.max_messages))
+            return JSONResponse({"count": len(ids), "max_model_len": gw.max_model_len,
+                                 "tokens": ids, "token_strs": None})
+        except ApiError as e:
+            return e.response()
+
+    async def detokenize(request: Request) -> Response:
+        try:
+            authorize(request)
+            if not gw.ready:
+                raise ApiError(503, "the gateway is starting", code="unavailable",
+                               type="service_unavailable_error")
+            body = await read_body(request, cfg.max_body_bytes)
+            check_model(body, gw.model_ids)
+            tokens = body.get("tokens")
+            if tokens is None:
+                raise ApiError(400, "tokens: required", param="tokens",
+                               code="missing_required_parameter")
+            if not isinstance(tokens, list) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+                raise _type_error("tokens", "a list of token ids", tokens)
+            vocab = len(gw.tokenizer)
+            bad = [t for t in tokens if not 0 <= t < vocab]
+            if bad:
+                raise ApiError(400, f"tokens: ids outside the vocabulary [0, {vocab}): "
+                               f"{bad[:5]}", param="tokens", code="invalid_value")
+            return JSONResponse({"prompt": gw.tokenizer.decode(tokens)})
+        except ApiError as e:
+            return e.response()
+
+    async def health(request: Request) -> Response:
+        return Response(status_code=200 if gw.ready else 503)
 
     async def metrics_route(request: Request) -> Response:
         return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
@@ -656,6 +882,9 @@ def create_app(cfg: ApiConfig | None = None) -> Starlette:
         Route("/metrics", metrics_route, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
     ], lifespan=lifespan, exception_handlers={404: not_found, 405: not_allowed})
     app.state.gateway = gw
     return CountRequests(app)

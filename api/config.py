@@ -31,6 +31,11 @@ class ApiConfig:
     max_messages: int = setting(256, "chat messages per request", ge=1)
     max_prompt_tokens: int = setting(8192, "longest prompt (after the chat template), in tokens", ge=1)
     max_stop: int = setting(4, "stop strings per request (OpenAI's limit)", ge=1)
+    max_n: int = setting(16, "choices per request (`n`): each one generation on the dispatcher",
+                         ge=1, le=128)
+    max_top_logprobs: int = setting(
+        20, "alternatives per token a request may ask for (`top_logprobs`, completions' "
+        "`logprobs`)", ge=0, le=20)
     retry_after_s: int = setting(1, "Retry-After of a 429 (dispatcher busy)", ge=0)
     log_level: Literal["debug", "info", "warning", "error"] = setting(
         "info", "log verbosity")

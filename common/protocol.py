@@ -85,6 +85,10 @@ TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
 Threshold = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]      # PipeSD's R1, R2
 Seed = Annotated[int, msgspec.Meta(ge=-2**63, le=INT64_MAX)]
 Entropy = Annotated[float, msgspec.Meta(ge=0.0, le=100.0)]      # nats (ln of a vocabulary < 100)
+MAX_TOP_LOGPROBS = 20        # alternatives per token a request may ask for (OpenAI's limit)
+LOGPROB_FLOOR = -9999.0      # log-probabilities are clamped here (OpenAI's value for "never")
+LogProb = Annotated[float, msgspec.Meta(ge=LOGPROB_FLOOR, le=0.0)]
+TopLogprobs = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -118,6 +122,17 @@ def check_sampling(s: Sampling, vocab_size: int) -> None:
     if s.top_k > vocab_size:
         raise ProtocolError(BAD_FIELD, f"sampling.top_k: {s.top_k} is over the vocabulary size "
                                        f"{vocab_size}", field="sampling.top_k")
+
+
+class TokenLogprob(msgspec.Struct):
+    """The target's log-probability of one emitted token and its `top` most likely alternatives,
+    from the unmodified distribution: log_softmax of the logits, before temperature, top-k and
+    top-p (vLLM's default "raw logprobs"). top_ids are in descending order of top_logprobs."""
+    logprob: LogProb
+    top_ids: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_TOP_LOGPROBS)] = \
+        msgspec.field(default_factory=list)
+    top_logprobs: Annotated[list[LogProb], msgspec.Meta(max_length=MAX_TOP_LOGPROBS)] = \
+        msgspec.field(default_factory=list)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -194,6 +209,8 @@ class GenerateRequest(Msg, tag="generate"):
     # ^ spec mode: this request's policy held at these knob values, the autotuner neither used nor
     #   fed (tuning every policy alike in benchmarks): "n" vanilla's draft length, "r1"/"r2" the
     #   pipesd/HSL/EdgeLLM thresholds, "c" EdgeLLM's constant; spec_mode.POLICY_KNOBS lists them
+    logprobs: TopLogprobs | None = None
+    # ^ send each token's TokenLogprob with this many alternatives; None = none (nothing computed)
 
 
 class Cancel(Msg, tag="cancel"):
@@ -206,6 +223,7 @@ class TokenEvent(Msg, tag="tokens"):
     token_ids: list[TokenId]
     text: str = ""
     degraded: bool = False   # produced by the edge drafter alone (cloud unreachable)
+    logprobs: list[TokenLogprob] | None = None   # one per token when the request asked for them
 
 
 class Done(Msg, tag="done"):
@@ -220,6 +238,7 @@ class CloudGenerate(Msg, tag="cloud_generate"):
     max_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_ID)]
     sampling: Sampling = msgspec.field(default_factory=Sampling)
     eos_token_id: TokenId | None = None
+    logprobs: TopLogprobs | None = None   # send each token's TokenLogprob; None = none
 
 
 class CloudTokens(Msg, tag="cloud_tokens"):
@@ -227,6 +246,7 @@ class CloudTokens(Msg, tag="cloud_tokens"):
     token_ids: list[TokenId]
     done: bool = False
     finish_reason: str = ""
+    logprobs: list[TokenLogprob] | None = None   # one per token, when CloudGenerate asked
 
 
 # --- dispatcher <-> verifier: speculative mode ----------------------------------------------
@@ -237,6 +257,7 @@ class SpecOpen(Msg, tag="spec_open"):
     token_ids: list[TokenId]
     sampling: Sampling = msgspec.field(default_factory=Sampling)
     stream: bool = False
+    logprobs: TopLogprobs | None = None   # every VerifyResult carries its tokens' TokenLogprobs
 
 
 class DraftBatch(Msg, tag="draft_batch"):
@@ -286,6 +307,8 @@ class VerifyResult(Msg, tag="verify_result"):
     early: bool = False
     forwards: Count = 0    # forward passes that included this session so far (prefill included)
     path: list[Size] = msgspec.field(default_factory=list)   # tree round: accepted node indices
+    logprobs: list[TokenLogprob] | None = None
+    # ^ when SpecOpen asked: one per committed token, the accepted drafts then `token`
 
 
 # --- dispatcher <-> drafter -----------------------------------------------------------------
@@ -393,6 +416,7 @@ class SuffixOpen(Msg, tag="suffix_open"):
     start: Size
     hidden: TensorRef
     sampling: Sampling = msgspec.field(default_factory=Sampling)
+    logprobs: TopLogprobs | None = None   # every SuffixToken carries its TokenLogprob
 
 
 class SuffixStep(Msg, tag="suffix_step"):
@@ -405,6 +429,7 @@ class SuffixToken(Msg, tag="suffix_token"):
     token: TokenId
     seconds: Seconds = 0.0  # cloud compute time of the window step that produced it
     queued: Seconds = 0.0    # time the hidden state waited in the suffix before that step
+    logprob: TokenLogprob | None = None   # when SuffixOpen asked
 
 
 MESSAGE_TYPES = (Ping, Pong, Error, Ack, Close, GenerateRequest, Cancel, TokenEvent, Done,
@@ -549,6 +574,18 @@ def _check_sizes(msg: Msg, limits: Limits) -> None:
     if rows > limits.max_tokens:
         raise ProtocolError(TOO_LARGE, f"rows = {rows} > limit {limits.max_tokens} (max_tokens)",
                             field="rows")
+    logprobs = getattr(msg, "logprobs", None)
+    if isinstance(logprobs, list):   # one per token: TokenEvent, CloudTokens, VerifyResult
+        tokens = len(msg.token_ids) if hasattr(msg, "token_ids") else msg.accepted + 1
+        if len(logprobs) != tokens:
+            raise ProtocolError(BAD_FIELD, f"logprobs has {len(logprobs)} entries for {tokens} "
+                                           f"tokens", field="logprobs")
+    for i, lp in enumerate(logprobs if isinstance(logprobs, list) else
+                           [getattr(msg, "logprob", None)]):
+        if lp is not None and len(lp.top_ids) != len(lp.top_logprobs):
+            raise ProtocolError(BAD_FIELD, f"logprobs[{i}]: {len(lp.top_ids)} top_ids, "
+                                           f"{len(lp.top_logprobs)} top_logprobs",
+                                field="logprobs")
     parents = getattr(msg, "parents", None)
     if parents is not None and hasattr(msg, "token_ids"):   # DraftBatch, DraftTokens
         check_parents(parents, msg.token_ids, getattr(msg, "first_node", 0))

@@ -18,7 +18,7 @@ import msgspec
 import torch
 
 from common import gumbel
-from common.protocol import Sampling
+from common.protocol import LOGPROB_FLOOR, Sampling, TokenLogprob
 
 # The coupling of a request that names none (Sampling.coupling None). The dispatcher fills in its
 # configured default (DispatcherConfig.sampling_coupling) before a request reaches the other
@@ -102,3 +102,16 @@ def sample(logits: torch.Tensor, s: Sampling, position: int) -> int:
         return gumbel_token(logits, s, position)
     probs = target_probs(logits, s)
     return int(torch.multinomial(probs, 1, generator=generator(s, position)).item())
+
+
+def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """The log-probability of `token` and the `top` most likely tokens under the unmodified
+    distribution of a logits row [V]: log_softmax of the raw logits (before temperature, top-k
+    and top-p, as vLLM's default "raw logprobs"), clamped at LOGPROB_FLOOR."""
+    lp = torch.log_softmax(logits.float(), dim=-1).clamp_(min=LOGPROB_FLOOR)
+    if top:
+        values, ids = torch.topk(lp, top)
+        top_ids, top_lps = ids.tolist(), values.tolist()
+    else:
+        top_ids, top_lps = [], []
+    return TokenLogprob(min(float(lp[token]), 0.0), top_ids, [min(v, 0.0) for v in top_lps])

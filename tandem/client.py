@@ -77,6 +77,10 @@ class Chunk:
     token_ids: list[int]
     text: str
     degraded: bool = False   # produced by the edge alone while the cloud was unreachable
+    # with generate(logprobs=k): per token, the target's TokenLogprob (logprob, top_ids,
+    # top_logprobs: its k most likely tokens), raw log_softmax of the logits before temperature;
+    # None for tokens the edge produced alone
+    logprobs: list[protocol.TokenLogprob] | None = None
 
 
 @dataclass
@@ -88,6 +92,7 @@ class Result:
     text: str = ""
     finish_reason: str = ""
     stats: Stats = field(default_factory=Stats)
+    logprobs: list[protocol.TokenLogprob | None] | None = None   # per token, with logprobs=k
 
 
 def curve_keys(server_key, client_key):
@@ -240,13 +245,17 @@ class AsyncClient:
                  nav_thresholds: tuple[float, float] | None = None, end_client: str = "",
                  policy_knobs: dict[str, float] | None = None,
                  max_retries: int | None = None,
-                 sampling_coupling: str | None = None) -> AsyncStream:
+                 sampling_coupling: str | None = None,
+                 logprobs: int | None = None) -> AsyncStream:
         """Stream a generation of `prompt` (text or token ids) or of `messages` (a conversation,
         [{"role", "content"}], through the target's chat template). `end_client`: the end client
         a gateway sends this for (the dispatcher's per-client limits count it separately).
         `policy_knobs`: spec mode, hold the policy at these knob values (benchmarks' tuning).
         `sampling_coupling`: "gumbel" (the output depends only on seed + prompt, in every mode
         and policy) or "rejection" (more drafts accepted); None = the dispatcher's default.
+        `logprobs`: 0..20, each token's log-probability under the target (log_softmax of its raw
+        logits, before temperature) and that many most likely alternatives, in Chunk.logprobs
+        and Result.logprobs; None = none (nothing is computed).
         Returns an AsyncStream; its `result` (and `self.last_result`) holds the whole result
         once it ended normally."""
         args = dict(prompt=prompt, messages=messages, mode=mode, max_tokens=max_tokens,
@@ -254,7 +263,7 @@ class AsyncClient:
                     cut=cut, chat=chat, deadline_s=deadline_s, stop_at_eos=stop_at_eos,
                     allow_edge_only=allow_edge_only, nav_thresholds=nav_thresholds,
                     end_client=end_client, policy_knobs=policy_knobs,
-                    sampling_coupling=sampling_coupling)
+                    sampling_coupling=sampling_coupling, logprobs=logprobs)
         retries = self.max_retries if max_retries is None else _check_retries(max_retries)
         return AsyncStream(self, args, retries)
 
@@ -275,7 +284,7 @@ class AsyncClient:
                                        coupling=a["sampling_coupling"]),
             deadline_s=deadline, allow_edge_only=a["allow_edge_only"],
             nav_thresholds=None if nav is None else [float(r) for r in nav],
-            client=a["end_client"],
+            client=a["end_client"], logprobs=a["logprobs"],
             policy_knobs=None if a["policy_knobs"] is None else {
                 str(k): float(v) for k, v in a["policy_knobs"].items()})
         try:   # the wire's own rules, before anything leaves: NaN, inf, out-of-range values
@@ -349,7 +358,10 @@ class AsyncClient:
                         continue  # never yield a token twice
                     result.token_ids.extend(ev.token_ids)
                     result.text += ev.text
-                    yield Chunk(ev.index, list(ev.token_ids), ev.text, ev.degraded)
+                    if msg.logprobs is not None:
+                        result.logprobs = (result.logprobs or []) + (
+                            ev.logprobs or [None] * len(ev.token_ids))
+                    yield Chunk(ev.index, list(ev.token_ids), ev.text, ev.degraded, ev.logprobs)
                 elif isinstance(ev, protocol.Done):
                     result.finish_reason = ev.finish_reason
                     result.stats = Stats.from_dict(ev.stats)

@@ -36,7 +36,7 @@ async def _stream(req, rec: recovery.Recovery, peer) -> None:
     try:
         await ch.send(protocol.CloudGenerate(
             sid=sid, seq=1, token_ids=rec.committed(), max_tokens=req.max_tokens - base,
-            sampling=req.sampling, eos_token_id=req.eos))
+            sampling=req.sampling, eos_token_id=req.eos, logprobs=req.msg.logprobs))
         while True:
             msg, _ = await rec.recv(ch)
             if not isinstance(msg, protocol.CloudTokens):
@@ -46,7 +46,7 @@ async def _stream(req, rec: recovery.Recovery, peer) -> None:
                 continue  # a duplicate of a token already streamed
             if at > len(req.tokens):
                 rec.gap(len(req.tokens), at)
-            more = await req.emit(msg.token_ids)
+            more = await req.emit(msg.token_ids, logprobs=msg.logprobs)
             rec.progress()
             if msg.done or not more:
                 return

@@ -7,14 +7,20 @@ and never sends a token twice, whatever the mode does (DESIGN.md §5, invariant 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from typing import TYPE_CHECKING
 
 from common import metrics, protocol, sampling
 
+log = logging.getLogger("tandem.dispatcher")
+
 if TYPE_CHECKING:   # for annotations only: the dispatcher imports this module
     from services.dispatcher.service import Dispatcher
+
+
+EVENT_TOKENS = 64   # tokens per TokenEvent when they carry log-probabilities
 
 
 class Detokenizer:
@@ -74,9 +80,12 @@ class Request:
     def remaining(self) -> float:
         return max(0.0, self.deadline - time.monotonic())
 
-    async def emit(self, token_ids: list[int], degraded: bool = False) -> bool:
-        """Append committed tokens to the client's stream. Returns False once the request is
-        complete (max_tokens reached or EOS emitted); tokens past that point are dropped."""
+    async def emit(self, token_ids: list[int], degraded: bool = False,
+                   logprobs: list[protocol.TokenLogprob] | None = None) -> bool:
+        """Append committed tokens to the client's stream, with the target's TokenLogprob of
+        each when the request asked for them (`logprobs`, one per token; None from the edge
+        alone). Returns False once the request is complete (max_tokens reached or EOS emitted);
+        tokens past that point are dropped."""
         if self.done:
             return False
         out = []
@@ -100,12 +109,23 @@ class Request:
             for _ in out:
                 metrics.ITL.labels(*labels).observe(gap)
         self.last_token_at = now
-        index = len(self.tokens)
-        self.tokens.extend(out)
         metrics.GENERATED_TOKENS.labels(*labels).inc(len(out))
-        await self.d.send(self.ident, protocol.TokenEvent(
-            sid=self.msg.sid, rid=self.rid, index=index, token_ids=out,
-            text=self.detok.push(out), degraded=degraded))
+        lps = None
+        if self.msg.logprobs is not None and logprobs is not None:
+            lps = logprobs[:len(out)]
+            if len(lps) < len(out):   # a peer's short list: the tokens go out without them
+                log.warning("%s: %d logprobs for %d tokens", self.sid, len(lps), len(out))
+                lps = None
+        # with log-probabilities a token takes ~14 bytes per alternative: events stay small
+        step = EVENT_TOKENS if lps is not None else len(out)
+        for i in range(0, len(out), step):
+            part = out[i:i + step]
+            index = len(self.tokens)
+            self.tokens.extend(part)
+            await self.d.send(self.ident, protocol.TokenEvent(
+                sid=self.msg.sid, rid=self.rid, index=index, token_ids=part,
+                text=self.detok.push(part), degraded=degraded,
+                logprobs=None if lps is None else lps[i:i + step]))
         return not self.done
 
     def summary(self) -> dict:

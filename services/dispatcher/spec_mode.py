@@ -321,7 +321,8 @@ class SpecRun:
         self.vch = self.vpeer.channel()
         self._reader(self.vch, self.vsrc)
         await self.vch.send(protocol.SpecOpen(sid=self.vsid, seq=OPEN_SEQ, token_ids=req.prompt_ids,
-                                              sampling=req.sampling, stream=self.policy.stream))
+                                              sampling=req.sampling, stream=self.policy.stream,
+                                              logprobs=req.msg.logprobs))
         # One token wanted: it is the target's own (the last wanted position always is), so no
         # draft could be used and the drafter's prefill would be wasted edge work. It is opened
         # anyway when the request may have to go on from the drafter alone (allow_edge_only).
@@ -401,7 +402,8 @@ class SpecRun:
         self.last_v = time.monotonic()
         await self.vch.send(protocol.SpecOpen(sid=self.vsid, seq=OPEN_SEQ,
                                               token_ids=self.rec.committed(),
-                                              sampling=req.sampling, stream=self.policy.stream))
+                                              sampling=req.sampling, stream=self.policy.stream,
+                                              logprobs=req.msg.logprobs))
         await self.act(self.sm.verifier_lost())
 
     async def _reference(self) -> list[int]:
@@ -463,6 +465,11 @@ class SpecRun:
                                                 msg.early)
             except SpecError as e:
                 raise PeerError(protocol.INTERNAL, str(e)) from None
+            if msg.logprobs is not None:   # the result's tokens are its Emit's, in order
+                for a in actions:
+                    if isinstance(a, Emit):
+                        a.logprobs = msg.logprobs
+                        break
             await self.act(actions)
 
     def _tree_timing(self, msg: protocol.VerifyResult) -> None:
@@ -544,7 +551,7 @@ class SpecRun:
             if req.done:
                 return
             if isinstance(a, Emit):
-                await req.emit(a.tokens)
+                await req.emit(a.tokens, logprobs=a.logprobs)
                 self.rec.progress()
                 self._bo(len(a.tokens))
             elif isinstance(a, SendBatch):
@@ -680,7 +687,8 @@ class SpecRun:
         req.stats["resumed_at"] = len(req.tokens)
         self.last_v = time.monotonic()
         await self.vch.send(protocol.SpecOpen(sid=self.vsid, seq=OPEN_SEQ, token_ids=committed,
-                                              sampling=req.sampling, stream=self.policy.stream))
+                                              sampling=req.sampling, stream=self.policy.stream,
+                                              logprobs=req.msg.logprobs))
         await self.act(self.sm.resync(len(committed), committed[-1]))
 
     # --- teardown -------------------------------------------------------------------------------

@@ -121,6 +121,7 @@ class SendNav:
 @dataclass
 class Emit:
     tokens: list[int]
+    logprobs: list | None = None   # the target's TokenLogprob per token, when asked for
 
 
 @dataclass

@@ -92,7 +92,8 @@ async def _session(req, cut, times, t0, rec: recovery.Recovery, suffix) -> None:
         hidden, frames = await _reply(pre, protocol.Hidden, rec)
         times["edge"] += hidden.seconds
         await suf.send(protocol.SuffixOpen(sid=sid, seq=0, cut=cut, start=0,
-                                           hidden=hidden.hidden, sampling=req.sampling),
+                                           hidden=hidden.hidden, sampling=req.sampling,
+                                           logprobs=req.msg.logprobs),
                        frames[1:])
         tok, _ = await _reply(suf, protocol.SuffixToken, rec)
         times["cloud"] += tok.seconds
@@ -100,7 +101,8 @@ async def _session(req, cut, times, t0, rec: recovery.Recovery, suffix) -> None:
         req.stats.setdefault("prefill_s", time.monotonic() - t0)
         seq = 0
         while True:
-            more = await req.emit([tok.token])
+            more = await req.emit([tok.token], logprobs=None if tok.logprob is None
+                                  else [tok.logprob])
             rec.progress()
             if not more:
                 return

@@ -35,11 +35,13 @@ HIDDEN_DTYPES = ("float16", "bfloat16", "float32")
 
 
 class SuffixSession(Session):
-    def __init__(self, sid: str, seq: int, cut: int, kv, sampling_cfg: protocol.Sampling):
+    def __init__(self, sid: str, seq: int, cut: int, kv, sampling_cfg: protocol.Sampling,
+                 logprobs: int | None = None):
         super().__init__(sid, seq=seq)
         self.cut = cut
         self.kv = kv
         self.sampling = sampling_cfg
+        self.logprobs = logprobs   # alternatives per token; None = no logprobs
 
 
 @dataclass
@@ -117,7 +119,7 @@ class Suffix(Service):
         x = self.hidden(msg.hidden, frames)
         self.sessions.admit(msg, x.shape[0])   # the prompt is as long as its hidden sequence
         s = SuffixSession(msg.sid, msg.seq, msg.cut, self.runner.new_kv(msg.cut, self.L),
-                          msg.sampling)
+                          msg.sampling, msg.logprobs)
         self.sessions.add(s)
         self.enqueue(ident, s, msg, x)
 
@@ -194,7 +196,7 @@ class Suffix(Service):
 
     def step(self, plan, window: list[Pending]):
         """Execute one window's plan and choose its tokens (on the compute thread): one
-        (result, token, seconds) per member. A failure leaves every cache as it was, so the
+        (result, token, seconds, logprob or None) per member. A failure leaves every cache as it was, so the
         members can run again without the one that failed (Service.compute_each)."""
         t = time.perf_counter()
         starts = [p.session.kv.length() for p in window]
@@ -204,12 +206,15 @@ class Suffix(Service):
                           padded=self.padded)
             tokens = [sampling.sample(res.logits[p.session.sid], p.session.sampling,
                                       p.session.kv.length()) for p in window]
+            lps = [None if p.session.logprobs is None else
+                   sampling.token_logprob(res.logits[p.session.sid], t, p.session.logprobs)
+                   for p, t in zip(window, tokens)]
         except BaseException:
             for p, n in zip(window, starts):
                 p.session.kv.truncate(n)
             raise
         dt = time.perf_counter() - t
-        return [(res, token, dt) for token in tokens]
+        return [(res, token, dt, lp) for token, lp in zip(tokens, lps)]
 
     async def loop(self) -> None:
         sched = (self.name, self.scheduler)
@@ -245,12 +250,12 @@ class Suffix(Service):
                 if isinstance(out, Exception):
                     await self.fail_session(p.ident, p.msg, "forward and sampling", out)
                     continue
-                _, token, dt = out
+                _, token, dt, lp = out
                 metrics.QUEUE_TIME.labels(self.name).observe(start - p.arrival)
                 metrics.SPLIT_TOKENS.labels(self.name, self.scheduler, str(s.cut)).inc()
                 reply = protocol.SuffixToken(sid=s.sid, seq=p.msg.seq, rid=p.msg.rid,
                                              position=s.kv.length(), token=token, seconds=dt,
-                                             queued=start - p.arrival)
+                                             queued=start - p.arrival, logprob=lp)
                 s.reply, s.busy = (reply, []), False
                 if not s.closed:
                     await self.send(p.ident, reply)

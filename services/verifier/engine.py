@@ -56,6 +56,7 @@ class CloudSession(EngineSession):
         self.sampling = req.sampling
         self.max_tokens = req.max_tokens
         self.eos = req.eos_token_id
+        self.logprobs = req.logprobs          # alternatives per token; None = no logprobs
         self.generated: list[int] = []
 
     @property
@@ -76,6 +77,8 @@ class CloudSession(EngineSession):
             return []
         position = self.kv.length()
         token = sampling.sample(logits[-1], self.sampling, position)
+        lps = None if self.logprobs is None else [
+            sampling.token_logprob(logits[-1], token, self.logprobs)]
         self.generated.append(token)
         done, reason = False, ""
         if self.eos is not None and token == self.eos:
@@ -88,4 +91,4 @@ class CloudSession(EngineSession):
             self.closed = True
         return [protocol.CloudTokens(sid=self.sid, seq=self.seq, rid=self.rid,
                                      index=len(self.generated) - 1, token_ids=[token], done=done,
-                                     finish_reason=reason)]
+                                     finish_reason=reason, logprobs=lps)]

@@ -96,7 +96,8 @@ class Verifier(Service):
         s = SpecSession(msg.sid, ident, msg.rid, msg.seq, self.runner.new_kv(),
                         list(msg.token_ids), msg.sampling, msg.stream and self.cfg.stream_verify,
                         self.vocab_size, self.limits.max_tokens,
-                        max_tree_nodes=self.cfg.max_tree_nodes, max_tree_depth=self.cfg.max_tree_depth)
+                        max_tree_nodes=self.cfg.max_tree_nodes, max_tree_depth=self.cfg.max_tree_depth,
+                        logprobs=msg.logprobs)
         self.add(s)
         if s.prefilled:   # a one-token prompt: nothing to prefill
             await self.send(ident, protocol.Ack(sid=msg.sid, seq=msg.seq, rid=msg.rid))

@@ -88,7 +88,8 @@ class SpecSession(EngineSession):
 
     def __init__(self, sid: str, ident: bytes, rid: int, seq: int, kv, prompt: list[int],
                  s: protocol.Sampling, stream: bool, vocab_size: int, max_stream: int = 4096,
-                 max_tree_nodes: int = 64, max_tree_depth: int = 32):
+                 max_tree_nodes: int = 64, max_tree_depth: int = 32,
+                 logprobs: int | None = None):
         super().__init__(sid, ident, rid, seq, kv)
         self.sampling = s
         self.greedy = sampling.is_greedy(s)
@@ -101,6 +102,8 @@ class SpecSession(EngineSession):
         self.t_last = prompt[-1]
         self.stream: list[Entry] = []
         self.decisions: dict[int, spec_verify.Decision] = {}
+        self.logprobs = logprobs   # alternatives per token; None = no logprobs computed
+        self.lps: dict[int, protocol.TokenLogprob] = {}   # position -> its decided token's
         self.tail: torch.Tensor | None = None   # the row predicting position tail_pos
         self.tail_pos = -1
         self.active: Round | None = None
@@ -198,8 +201,14 @@ class SpecSession(EngineSession):
         if k < 0:
             return
         if k < len(self.stream) and position not in self.decisions:
-            self.decisions[position] = self._decide(position, self.stream[k], row)
+            self._decide_at(position, self.stream[k], row)
         self.tail, self.tail_pos = row, position   # rows arrive in order: keep the newest
+
+    def _decide_at(self, position: int, e: Entry, row: torch.Tensor) -> None:
+        """Decide the token at `position`, and keep its log-probabilities when asked for."""
+        d = self.decisions[position] = self._decide(position, e, row)
+        if self.logprobs is not None:
+            self.lps[position] = sampling.token_logprob(row, d.token, self.logprobs)
 
     def _decide(self, position: int, e: Entry, row: torch.Tensor) -> spec_verify.Decision:
         if e.guess:   # the parent's bonus position: the target's own token, compared with the guess
@@ -222,7 +231,10 @@ class SpecSession(EngineSession):
         if d is not None:
             return Outcome(end, d.token, True)
         if self.tail is not None and self.tail_pos == end:
-            return Outcome(end, spec_verify.bonus(self.tail, self.sampling, end), True)
+            token = spec_verify.bonus(self.tail, self.sampling, end)
+            if self.logprobs is not None:
+                self.lps[end] = sampling.token_logprob(self.tail, token, self.logprobs)
+            return Outcome(end, token, True)
         return None
 
     def resolve(self) -> list[Msg]:
@@ -243,23 +255,25 @@ class SpecSession(EngineSession):
         kept = (o.full and child is not None and child.base == o.end
                 and self.stream[o.end - self.C].guess and self.stream[o.end - self.C].token == o.token)
         early = r.nav_end is None
+        lps = None if self.logprobs is None else [self.lps[p] for p in range(r.start, new_c)]
         if kept:
             del self.stream[:new_c - self.C]
             self.decisions = {p: d for p, d in self.decisions.items() if p >= new_c}
+            self.lps = {p: lp for p, lp in self.lps.items() if p >= new_c}
             self.active = self.chain.pop(0)
         else:
             self.discarded.update(c.id for c in self.chain)
             self.chain = []
             self.active = None
             self.stream = []
-            self.decisions = {}
+            self.decisions, self.lps = {}, {}
             self.tail, self.tail_pos = None, -1
             if self.kv.length() > new_c - 1:
                 self.kv.truncate(new_c - 1)
         self.C, self.t_last = new_c, o.token
         res = protocol.VerifyResult(sid=self.sid, seq=r.id, rid=self.rid, round=r.id, start=r.start,
                                     accepted=accepted, token=o.token, early=early,
-                                    forwards=self.forwards)
+                                    forwards=self.forwards, logprobs=lps)
         self.results[r.id] = (res, o)
         while len(self.results) > KEEP_RESULTS:
             self.results.popitem(last=False)
@@ -274,16 +288,22 @@ class SpecSession(EngineSession):
         if rows.shape[0] == len(t.tokens):   # no root token fed: its row is the kept tail
             rows = torch.cat((self.tail[None].to(rows.dtype), rows))
         path, token = t.walk(rows, self.sampling)
+        lps = None
+        if self.logprobs is not None:   # token j of the path is predicted by its parent's row
+            emitted = [t.tokens[i] for i in path] + [token]
+            row_of = [0] + [i + 1 for i in path]
+            lps = [sampling.token_logprob(rows[r], x, self.logprobs)
+                   for r, x in zip(row_of, emitted)]
         self.kv.move_rows([t.start + i for i in path], t.start)   # root token at start - 1
         end = t.start + len(path)
         o = Outcome(end, token, path == t.main_path())
         self.tree = None
-        self.stream, self.decisions = [], {}
+        self.stream, self.decisions, self.lps = [], {}, {}
         self.tail, self.tail_pos = None, -1
         self.C, self.t_last = end + 1, token
         res = protocol.VerifyResult(sid=self.sid, seq=t.id, rid=self.rid, round=t.id,
                                     start=t.start, accepted=len(path), token=token,
-                                    forwards=self.forwards, path=path)
+                                    forwards=self.forwards, path=path, logprobs=lps)
         self.results[t.id] = (res, o)
         while len(self.results) > KEEP_RESULTS:
             self.results.popitem(last=False)
@@ -421,7 +441,7 @@ class SpecSession(EngineSession):
             self.stream.append(e)
             position = self.C + len(self.stream) - 1
             if self.tail is not None and self.tail_pos == position and position not in self.decisions:
-                self.decisions[position] = self._decide(position, e, self.tail)
+                self._decide_at(position, e, self.tail)
         r.next += len(new)
 
     def on_verify(self, msg: protocol.VerifyRequest) -> protocol.VerifyResult | None:

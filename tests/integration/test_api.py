@@ -246,7 +246,7 @@ def test_official_client_raises_typed_errors(client):
         client.chat.completions.create(model="gpt-4o", messages=CONVERSATION)
     assert e.value.body["param"] == "model"
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=MODEL, messages=CONVERSATION, n=2)
+        client.chat.completions.create(model=MODEL, messages=CONVERSATION, n=17)
     assert e.value.body["param"] == "n"
 
 
@@ -265,9 +265,19 @@ ERRORS = [   # (route, body, status, param, code or None)
      None),
     ("completions", {"model": MODEL, "prompt": "a", "max_tokens": 0}, 400, "max_tokens", None),
     ("completions", {"model": MODEL, "prompt": "a", "top_p": 0}, 400, "top_p", None),  # SDK's
-    ("completions", {"model": MODEL, "prompt": "a", "n": 2}, 400, "n", None),
-    ("chat", {"model": MODEL, "messages": CONVERSATION, "logprobs": True}, 400, "logprobs",
-     "unsupported_parameter"),
+    ("completions", {"model": MODEL, "prompt": "a", "n": 17}, 400, "n", "invalid_value"),
+    ("completions", {"model": MODEL, "prompt": "a", "n": 2.5}, 400, "n", "invalid_type"),
+    ("chat", {"model": MODEL, "messages": CONVERSATION, "n": "2"}, 400, "n", "invalid_type"),
+    ("chat", {"model": MODEL, "messages": CONVERSATION, "logprobs": True, "top_logprobs": 21},
+     400, "top_logprobs", "invalid_value"),
+    ("chat", {"model": MODEL, "messages": CONVERSATION, "top_logprobs": 2}, 400, "top_logprobs",
+     "invalid_value"),
+    ("chat", {"model": MODEL, "messages": CONVERSATION, "logprobs": 1}, 400, "logprobs",
+     "invalid_type"),
+    ("completions", {"model": MODEL, "prompt": "a", "logprobs": 21}, 400, "logprobs",
+     "invalid_value"),
+    ("completions", {"model": MODEL, "prompt": "a", "logprobs": True}, 400, "logprobs",
+     "invalid_type"),
     ("chat", {"model": MODEL, "messages": CONVERSATION, "tools": [
         {"type": "function", "function": {"name": "f"}}]}, 400, "tools", None),
     ("completions", {"model": MODEL, "prompt": "a", "echo": True}, 400, "echo", None),
@@ -573,3 +583,128 @@ def test_64_concurrent_streaming_clients_served_or_429_no_token_lost(stack, toke
     while _dispatcher_sessions(stack) != 0:
         assert time.monotonic() < end
         time.sleep(0.1)
+
+
+# --- vLLM's token routes, log-probabilities, n choices ------------------------------------------
+
+def test_tokenize_detokenize_and_health(stack, tokenizer):
+    base = stack["base"]
+    prompt = PROMPTS["plain"]
+    r = httpx.post(base + "/tokenize", json={"model": MODEL, "prompt": prompt}).json()
+    assert r["tokens"] == tokenizer.encode(prompt) and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == 8192   # the target's context length
+    r = httpx.post(base + "/tokenize", json={"model": MODEL, "messages": CONVERSATION}).json()
+    assert r["tokens"] == chat_ids(tokenizer, CONVERSATION)   # what the chat route generates from
+    back = httpx.post(base + "/detokenize", json={"model": MODEL, "tokens": r["tokens"]}).json()
+    assert back == {"prompt": tokenizer.decode(r["tokens"])}
+    h = httpx.get(base + "/health")
+    assert h.status_code == 200 and h.content == b""
+    for route, body, param in [
+            ("/tokenize", {"model": MODEL}, "prompt"),
+            ("/tokenize", {"model": MODEL, "prompt": 5}, "prompt"),
+            ("/tokenize", {"model": "nope", "prompt": "a"}, "model"),
+            ("/tokenize", {"model": MODEL, "messages": [{"role": "tool", "content": "x"}]},
+             "messages[0].role"),
+            ("/detokenize", {"model": MODEL}, "tokens"),
+            ("/detokenize", {"model": MODEL, "tokens": [1, "2"]}, "tokens"),
+            ("/detokenize", {"model": MODEL, "tokens": [-1]}, "tokens"),
+            ("/detokenize", {"model": MODEL, "tokens": [len(tokenizer)]}, "tokens")]:
+        assert _error(httpx.post(base + route, json=body), 400)["param"] == param, (route, body)
+    _error(httpx.post(stack["keyed"] + "/tokenize", json={"prompt": "a"}), 401)
+
+
+def _reference_logprobs(hf_model, ids: list[int], out: list[int]):
+    import torch
+    with torch.inference_mode():
+        logits = hf_model(torch.tensor([ids + out])).logits[0, len(ids) - 1:-1]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def test_chat_logprobs_are_the_targets_streamed_and_not(client, tokenizer, reference, hf_model):
+    """Each token's logprob and its top 5 within 1e-4 of transformers' log_softmax, with the
+    greedy text still transformers'; streamed in spec mode, the same entries."""
+    ids = chat_ids(tokenizer, CONVERSATION)
+    out = reference(ids, 8)
+    want = _reference_logprobs(hf_model, ids, out)
+    kw = dict(model=MODEL, messages=CONVERSATION, max_tokens=8, temperature=0, logprobs=True,
+              top_logprobs=5, extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(**kw)
+    content = r.choices[0].logprobs.content
+    assert r.choices[0].message.content == tokenizer.decode(out, skip_special_tokens=True)
+    assert [e.token for e in content] == [tokenizer.decode([t]) for t in out]
+    for j, (t, e) in enumerate(zip(out, content)):
+        assert abs(e.logprob - float(want[j, t])) < 1e-4
+        assert e.bytes == list(e.token.encode())
+        ref_top = [(tokenizer.decode([i]), v) for v, i in zip(*want[j].topk(5))]
+        assert [a.token for a in e.top_logprobs] == [tok for tok, _ in ref_top]
+        assert max(abs(a.logprob - float(v)) for a, (_, v) in zip(e.top_logprobs, ref_top)) \
+            < 1e-4
+    chunks = list(client.chat.completions.create(
+        **{**kw, "extra_body": {"mode": "spec", "ignore_eos": True}}, stream=True))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(streamed, content)) < 1e-4
+    plain = client.chat.completions.create(model=MODEL, messages=CONVERSATION, max_tokens=2)
+    assert plain.choices[0].logprobs is None
+
+
+def test_completions_logprobs_legacy_shape_in_split_mode(client, tokenizer, reference, hf_model):
+    ids = tokenizer.encode(PROMPTS["code"])
+    out = reference(ids, 6)
+    want = _reference_logprobs(hf_model, ids, out)
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS["code"], max_tokens=6,
+                                            temperature=0, logprobs=3, stream=True,
+                                            extra_body={"mode": "split", "cut": 6,
+                                                        "ignore_eos": True}))
+    text = "".join(c.choices[0].text for c in chunks)
+    lp = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for c in chunks:
+        for k in lp:
+            lp[k] += getattr(c.choices[0].logprobs, k) if c.choices[0].logprobs else []
+    assert text == tokenizer.decode(out) and "".join(lp["tokens"]) == text
+    assert lp["text_offset"] == [len("".join(lp["tokens"][:j])) for j in range(6)]
+    for j, t in enumerate(out):
+        assert abs(lp["token_logprobs"][j] - float(want[j, t])) < 1e-4
+        top = lp["top_logprobs"][j]
+        assert len(top) == 3 and lp["tokens"][j] in top   # greedy: the token is the top one
+        for v, i in zip(*want[j].topk(3)):
+            assert abs(top[tokenizer.decode([int(i)])] - float(v)) < 1e-4
+    # a stop string: the tokens whose text begins before it are the answer's, no later one
+    full = tokenizer.decode(out)
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    r = client.completions.create(model=MODEL, prompt=PROMPTS["code"], max_tokens=6,
+                                  temperature=0, logprobs=0, stop=[stop])
+    kept = r.choices[0].logprobs.tokens
+    cut = r.choices[0].text
+    assert cut == full[:full.index(stop)] and "".join(kept).startswith(cut)
+    assert len("".join(kept[:-1])) < len(cut) and len(kept) < 6
+
+
+def test_n_choices_seeded_reproducible_and_summed(client, tokenizer, reference):
+    kw = dict(model=MODEL, prompt="My favourite animal is", max_tokens=6, temperature=1.0,
+              seed=11, n=4, extra_body={"ignore_eos": True})
+    a = client.completions.create(**kw)
+    assert [c.index for c in a.choices] == [0, 1, 2, 3]
+    texts = [c.text for c in a.choices]
+    assert len(set(texts)) > 1                              # independent samples
+    assert a.usage.completion_tokens == 4 * 6               # every choice's tokens
+    one = client.completions.create(**{**kw, "n": 1, "seed": 13})
+    assert one.choices[0].text == texts[2]                  # choice i is seed + i
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=CONVERSATION, max_tokens=5, temperature=1.0, seed=3, n=3,
+        stream=True, stream_options={"include_usage": True},
+        extra_body={"mode": "spec", "ignore_eos": True}))
+    streamed = {i: "".join(c.choices[0].delta.content or "" for c in chunks
+                           if c.choices and c.choices[0].index == i) for i in range(3)}
+    assert sorted(c.choices[0].index for c in chunks if c.choices and
+                  c.choices[0].finish_reason) == [0, 1, 2]
+    assert chunks[-1].usage.completion_tokens == 3 * 5
+    whole = client.chat.completions.create(
+        model=MODEL, messages=CONVERSATION, max_tokens=5, temperature=1.0, seed=3, n=3,
+        extra_body={"mode": "spec", "ignore_eos": True})
+    assert [c.message.content for c in whole.choices] == [streamed[i] for i in range(3)]
+    greedy = client.completions.create(model=MODEL, prompt=PROMPTS["plain"], max_tokens=5,
+                                       temperature=0, n=2, extra_body={"mode": "split", "cut": 6})
+    want = greedy_text(tokenizer, reference, tokenizer.encode(PROMPTS["plain"]), 5)[0]
+    assert [c.text for c in greedy.choices] == [want, want]

@@ -235,3 +235,48 @@ def test_a_drafter_stopped_mid_tree_stream_leaves_the_target_exact(stack, ids, r
         stack.call(lambda s: s.start("drafter"))
     assert tokens == reference(ids[3], n)
     assert result.stats.get("drafter_lost"), result.stats
+
+
+LOGPROB_CASES = [   # (mode, extra arguments): every path a target's token is chosen on
+    ("cloud-only", {}), ("split", {"cut": 6}), ("spec", {"policy": "pipesd"}),
+    ("spec", {"policy": "pipesd-stream", "temperature": 0.8, "seed": 3}),
+    ("spec", {"policy": "tree", "policy_knobs": {"cs": 0.05, "m": 24}}),
+    ("spec", {"policy": "tree", "policy_knobs": {"cs": 0.05, "m": 24}, "temperature": 0.8,
+              "seed": 5}),
+]
+
+
+@pytest.mark.parametrize("mode,extra", LOGPROB_CASES,
+                         ids=[f"{m}-{e.get('policy', '')}-{'t' if 'seed' in e else 'g'}"
+                              for m, e in LOGPROB_CASES])
+def test_logprobs_are_the_targets_raw_log_softmax(stack, ids, reference, hf_model, mode, extra,
+                                                  monkeypatch):
+    """Every emitted token's logprob and its top 5 alternatives are within 1e-4 of
+    transformers' own log_softmax of the logits at that position (before temperature), in every
+    mode; greedy output is still transformers'. A request that asks for none computes none."""
+    import torch
+
+    from common import sampling
+    n, k = 12, 5
+    p = ids[2]
+    calls = []
+    counted = sampling.token_logprob
+    monkeypatch.setattr(sampling, "token_logprob", lambda *a: calls.append(1) or counted(*a))
+    plain = stack.complete(list(p), max_tokens=4, stop_at_eos=False, deadline_s=120, mode=mode,
+                           **extra)
+    assert plain.logprobs is None and not calls   # not asked: nothing computed, nothing sent
+    r = stack.complete(list(p), max_tokens=n, stop_at_eos=False, deadline_s=120, mode=mode,
+                       logprobs=k, **extra)
+    if "seed" not in extra:
+        assert r.token_ids == reference(p, n)
+    assert len(r.logprobs) == len(r.token_ids) == n
+    with torch.inference_mode():
+        logits = hf_model(torch.tensor([list(p) + r.token_ids])).logits[0]
+    want = torch.log_softmax(logits[len(p) - 1:-1].float(), dim=-1)
+    for j, (t, lp) in enumerate(zip(r.token_ids, r.logprobs)):
+        assert abs(lp.logprob - float(want[j, t])) < 1e-4, (j, lp.logprob, float(want[j, t]))
+        assert len(lp.top_ids) == k and lp.top_logprobs == sorted(lp.top_logprobs, reverse=True)
+        top = torch.topk(want[j], k).values.tolist()
+        assert max(abs(a - b) for a, b in zip(lp.top_logprobs, top)) < 1e-4, j
+        assert max(abs(v - float(want[j, i])) for i, v in zip(lp.top_ids, lp.top_logprobs)) \
+            < 1e-4, j

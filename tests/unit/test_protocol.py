@@ -143,3 +143,23 @@ def test_structured_garbage_never_crashes(tag, fields):
     else:
         assert isinstance(msg, p.Msg)
         msgspec.msgpack.encode(msg)   # anything accepted can be re-encoded
+
+
+def test_logprobs_travel_typed_one_per_token():
+    lp = p.TokenLogprob(-0.25, [7, 3], [-0.25, -1.5])
+    for msg in (p.TokenEvent(index=0, token_ids=[7, 9], logprobs=[lp, lp]),
+                p.VerifyResult(round=2, start=5, accepted=1, token=9, logprobs=[lp, lp]),
+                p.SuffixToken(position=3, token=7, logprob=lp)):
+        got = p.decode(p.encode(msg), LIMITS)
+        assert got == msg
+    raw = msgpack.unpackb(p.encode(p.CloudTokens(index=0, token_ids=[7], logprobs=[lp]))[0])
+    assert raw["logprobs"] == [{"logprob": -0.25, "top_ids": [7, 3], "top_logprobs": [-0.25, -1.5]}]
+    bad = [p.TokenEvent(index=0, token_ids=[7, 9], logprobs=[lp]),            # a token without
+           p.VerifyResult(round=2, start=5, accepted=0, token=9, logprobs=[lp, lp]),
+           p.SuffixToken(position=3, token=7, logprob=p.TokenLogprob(-1.0, [1, 2], [-1.0])),
+           p.CloudTokens(index=0, token_ids=[7], logprobs=[p.TokenLogprob(0.5)]),   # > 0
+           p.GenerateRequest(prompt="a", logprobs=21)]                           # over 20
+    for msg in bad:
+        with pytest.raises(p.ProtocolError) as e:
+            p.decode(p.encode(msg), LIMITS)
+        assert e.value.code == p.BAD_FIELD and e.value.field.startswith("logprob"), e.value
