@@ -173,7 +173,7 @@ class GenerateRequest(Msg, tag="generate"):
     prompt: str = ""
     token_ids: list[TokenId] | None = None   # pre-tokenised prompt instead of `prompt`
     chat: bool = False                   # apply the model's chat template to `prompt`
-    mode: str = "cloud-only"             # "spec" | "split" | "cloud-only"
+    mode: str = "cloud-only"             # "auto" | "spec" | "split" | "cloud-only"
     policy: str = ""                     # spec policy; "" = the dispatcher's default
     cut: Size = 0                        # split cut layer; 0 = the dispatcher's default
     max_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_ID)] = 64
@@ -194,6 +194,10 @@ class GenerateRequest(Msg, tag="generate"):
     # ^ spec mode: this request's policy held at these knob values, the autotuner neither used nor
     #   fed (tuning every policy alike in benchmarks): "n" vanilla's draft length, "r1"/"r2" the
     #   pipesd/HSL/EdgeLLM thresholds, "c" EdgeLLM's constant; spec_mode.POLICY_KNOBS lists them
+    tpt_slo_ms: Annotated[float, msgspec.Meta(ge=0.0, le=MAX_SECONDS * 1000)] = 0.0
+    # ^ auto mode: a target time per token in milliseconds; the dispatcher then chooses the mode
+    #   with the least cloud work that meets it (services/dispatcher/auto_policy.py); 0 = the
+    #   dispatcher's auto_tpt_slo_ms
 
 
 class Cancel(Msg, tag="cancel"):

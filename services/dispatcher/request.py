@@ -64,6 +64,7 @@ class Request:
         self.first_token_at = 0.0
         self.last_token_at = 0.0
         self.stats: dict = {}            # mode-specific figures, returned in Done.stats
+        self.choice = None               # mode="auto": the auto_policy.Choice that chose `mode`
         self.cancelled = asyncio.Event()
         self.detok = Detokenizer(d.tokenizer)
 
@@ -116,4 +117,11 @@ class Request:
                  "ttft_s": (self.first_token_at - self.start) if n else None,
                  "tpt_s": (end - self.start) / n if n else None}
         stats.update(self.stats)
+        segment = {"mode": self.mode, "policy": self.policy, "tokens": n,
+                   "why": self.choice.reason if self.choice else "requested"}
+        if self.mode == "split":
+            segment["cut"] = stats.get("cut")
+        stats["segments"] = [segment]
+        if self.choice is not None:
+            stats["auto"] = self.choice.describe()
         return stats

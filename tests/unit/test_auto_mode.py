@@ -1,0 +1,103 @@
+"""mode="auto" end to end on the in-process stack: the choice at admission from a cold start,
+through exploring speculation, to predictions; the output of every choice equals transformers'
+greedy output, a seeded Gumbel-coupled request gives the same tokens whatever mode was chosen,
+the choice is visible (Stats.segments, auto, the choice counter) and bad input is refused by
+field. One stack for the module: its estimates start empty, so the first choices are known."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import REGISTRY
+
+from services.dispatcher import auto_policy
+from services.dispatcher.config import AutoConfig
+from tandem import InvalidRequest
+from tandem.inprocess import BackgroundStack
+
+PROMPT = "def fibonacci(n):\n"
+N = 16
+
+
+@pytest.fixture(scope="module")
+def stack(model_paths):
+    s = BackgroundStack(overrides={"dispatcher": {"auto": AutoConfig(explore_every=2)}})
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def ids(tokenizer):
+    return tokenizer.encode(PROMPT)
+
+
+def _auto(stack, ids, **kw):
+    return stack.complete(list(ids), max_tokens=N, stop_at_eos=False, deadline_s=120,
+                          mode="auto", **kw)
+
+
+def _choices(mode: str, policy: str, reason: str) -> float:
+    return REGISTRY.get_sample_value("tandem_auto_choices_total", {
+        "service": "dispatcher", "mode": mode, "policy": policy, "reason": reason}) or 0.0
+
+
+def test_auto_chooses_cold_start_then_explores_then_predicts_and_stays_exact(stack, ids,
+                                                                             reference):
+    want = reference(ids, N)
+    cold = _choices("cloud-only", "cloud-only", auto_policy.COLD_START)
+    first = _auto(stack, ids)                        # nothing measured: cloud-only
+    assert first.token_ids == want
+    assert first.stats.mode == "cloud-only"
+    assert first.stats.segments == ({"mode": "cloud-only", "policy": "cloud-only",
+                                     "tokens": N, "why": auto_policy.COLD_START},)
+    assert first.stats.auto["reason"] == auto_policy.COLD_START
+    assert _choices("cloud-only", "cloud-only", auto_policy.COLD_START) == cold + 1
+
+    second = _auto(stack, ids)                       # explore_every=2: pipesd is tried
+    assert second.token_ids == want
+    assert (second.stats.mode, second.stats.policy) == ("spec", "pipesd")
+    assert second.stats.segments[0]["why"] == auto_policy.EXPLORE
+    assert second.stats.rounds >= 1
+
+    third = _auto(stack, ids)                        # both measured: predicted and compared
+    assert third.token_ids == want
+    assert third.stats.auto["reason"] == auto_policy.FASTEST
+    assert {p["candidate"] for p in third.stats.auto["predictions"]} == {"cloud-only",
+                                                                         "spec/pipesd"}
+    fastest = min(third.stats.auto["predictions"], key=lambda p: p["tpt_s"])
+    assert third.stats.auto["chosen"] == fastest["candidate"]
+
+    # a target every mode meets: the least cloud work, which speculation's accepted drafts save
+    slo = _auto(stack, ids, tpt_slo_ms=1e6)
+    assert slo.token_ids == want
+    assert slo.stats.auto["reason"] == auto_policy.LEAST_CLOUD
+    least = min(slo.stats.auto["predictions"], key=lambda p: p["cloud_s_per_token"])
+    assert slo.stats.auto["chosen"] == least["candidate"]
+
+
+def test_seeded_gumbel_sampling_gives_the_same_tokens_whatever_auto_chooses(stack, ids):
+    sampled = dict(temperature=0.8, seed=11, sampling_coupling="gumbel")
+    served = {}
+    for slo in (1e6, 0.0):       # the least cloud work, then the fastest
+        r = _auto(stack, ids, tpt_slo_ms=slo, **sampled)
+        served[r.stats.segments[0]["mode"]] = tuple(r.token_ids)
+    cloud = stack.complete(list(ids), max_tokens=N, stop_at_eos=False, deadline_s=120,
+                           mode="cloud-only", **sampled)
+    spec = stack.complete(list(ids), max_tokens=N, stop_at_eos=False, deadline_s=120,
+                          mode="spec", **sampled)
+    assert "spec" in served          # the least cloud work: accepted drafts save forwards
+    assert set(served.values()) == {tuple(cloud.token_ids)} == {tuple(spec.token_ids)}
+
+
+@pytest.mark.parametrize("kw, field", [({"tpt_slo_ms": -1.0}, "tpt_slo_ms"),
+                                       ({"tpt_slo_ms": float("nan")}, "tpt_slo_ms"),
+                                       ({"tpt_slo_ms": "fast"}, "tpt_slo_ms"),
+                                       ({"mode": "fastest"}, "mode"),
+                                       ({"policy": "nope"}, "policy"),
+                                       ({"cut": 999}, "cut")])
+def test_bad_auto_input_is_refused_naming_the_field(stack, ids, kw, field):
+    args = dict(max_tokens=N, deadline_s=30, mode="auto") | kw
+    with pytest.raises(InvalidRequest) as e:
+        stack.complete(list(ids), **args)
+    assert e.value.field == field, e.value
+    if field == "mode":
+        assert "auto" in e.value.message
