@@ -224,6 +224,16 @@ class CloudGenerate(Msg, tag="cloud_generate"):
     max_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_ID)]
     sampling: Sampling = msgspec.field(default_factory=Sampling)
     eos_token_id: TokenId | None = None
+    adopt: Annotated[str, msgspec.Meta(max_length=256)] = ""
+    # ^ ADOPT (below): a session of this sender whose KV cache this one takes over
+
+
+# ADOPT. A cloud-only or speculative open may name, in `adopt`, another session of the same
+# sender on this verifier (of either kind) whose KV cache holds a prefix of `token_ids`: that
+# session ends and the new one takes its cache, keeping the cached tokens up to the last one or
+# two of `token_ids` and prefilling only the rest. The dispatcher switches a request between
+# speculative and cloud-only so (mode="auto"), without prefilling it again; `token_ids` then has
+# at least two tokens.
 
 
 class CloudTokens(Msg, tag="cloud_tokens"):
@@ -241,6 +251,7 @@ class SpecOpen(Msg, tag="spec_open"):
     token_ids: list[TokenId]
     sampling: Sampling = msgspec.field(default_factory=Sampling)
     stream: bool = False
+    adopt: Annotated[str, msgspec.Meta(max_length=256)] = ""   # see ADOPT above
 
 
 class DraftBatch(Msg, tag="draft_batch"):

@@ -27,6 +27,14 @@ prefill left out) and W (cloud compute seconds per token):
 Objective. No target: the least T. A target `slo_s` (tpt_slo_ms per request, or the dispatcher's
 auto_tpt_slo_ms): the least W among candidates whose T meets it, else the least T.
 
+Switching. A request served speculatively or cloud-only may switch between the two while it
+runs (services/dispatcher/auto_mode.py does it without a new prefill). Every N tokens `recheck`
+compares the stretch's own measured T (live: this prompt, this load) with the other mode's
+prediction, and switches only for a clear gain: the other must be faster by the `hysteresis`
+fraction (no target), or meet the target the current stretch misses, or, both meeting it, cost
+that fraction less cloud work. A stretch lasts N tokens at least, so the figures it is judged
+by are its own and no request flaps faster than every N tokens.
+
 Cold start. Before cloud-only has a measured t_dec, there is nothing to compare with: cloud-only
 is chosen (on this machine it has the earliest first token and is never slower per token). A
 speculative policy that was never measured cannot be predicted, so it is tried: every
@@ -47,7 +55,11 @@ EXPLORE = "explore"                # an unmeasured candidate tried, so it gets e
 FASTEST = "fastest"                # no target: the least predicted T
 LEAST_CLOUD = "slo-least-cloud"    # the least cloud work among candidates meeting the target
 SLO_UNMET = "slo-unmet-fastest"    # no candidate meets the target: the least predicted T
-REASONS = (COLD_START, EXPLORE, FASTEST, LEAST_CLOUD, SLO_UNMET)
+SWITCH_FASTER = "switch-faster"          # live: the other mode is predicted faster
+SWITCH_LESS_CLOUD = "switch-less-cloud"  # live: both meet the target, the other with less work
+SWITCH_MEET_SLO = "switch-meet-slo"      # live: this mode misses the target, the other meets it
+REASONS = (COLD_START, EXPLORE, FASTEST, LEAST_CLOUD, SLO_UNMET, SWITCH_FASTER,
+           SWITCH_LESS_CLOUD, SWITCH_MEET_SLO)
 
 
 @dataclass(frozen=True)
@@ -231,3 +243,38 @@ def choose(candidates: list[Candidate], e: Estimates, link: Link, slo_s: float |
         return Choice(fastest.candidate, SLO_UNMET, preds)
     best = min(meeting, key=lambda p: (p.cloud_s, p.tpt_s))
     return Choice(best.candidate, LEAST_CLOUD, preds)
+
+
+@dataclass(frozen=True)
+class Stay:
+    pass
+
+
+@dataclass(frozen=True)
+class Switch:
+    to: Candidate
+    reason: str     # SWITCH_FASTER | SWITCH_LESS_CLOUD | SWITCH_MEET_SLO
+
+
+STAY = Stay()
+
+
+def recheck(current: Candidate, other: Candidate, live_tpt_s: float, e: Estimates, link: Link,
+            slo_s: float | None = None, hysteresis: float = 0.2) -> Stay | Switch:
+    """Mid-request: keep serving as `current` (measured at `live_tpt_s` per token over this
+    stretch) or switch to `other` (predicted from the estimates)."""
+    p = predict(other, e, link)
+    if p is None or not live_tpt_s > 0:
+        return STAY
+    margin = 1.0 - hysteresis
+    if slo_s is None:
+        return Switch(other, SWITCH_FASTER) if p.tpt_s < live_tpt_s * margin else STAY
+    meets, other_meets = live_tpt_s <= slo_s, p.tpt_s <= slo_s
+    if not meets and other_meets:
+        return Switch(other, SWITCH_MEET_SLO)
+    if not meets:
+        return Switch(other, SWITCH_FASTER) if p.tpt_s < live_tpt_s * margin else STAY
+    cur = predict(current, e, link)
+    if other_meets and cur is not None and p.cloud_s < cur.cloud_s * margin:
+        return Switch(other, SWITCH_LESS_CLOUD)
+    return STAY

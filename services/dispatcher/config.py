@@ -72,6 +72,11 @@ class AutoConfig:
         8, "every this many auto requests, one tries a spec policy never measured yet, so it "
            "gets estimated; 0 = never", ge=0)
     ewma: float = setting(0.3, "weight of a finished request in the estimates", gt=0, le=1)
+    switch_every: int = setting(
+        32, "re-decide between spec and cloud-only every this many tokens of a running request "
+            "(switching keeps the verifier's cache); 0 = never switch", ge=0)
+    hysteresis: float = setting(
+        0.2, "switch only for a gain of this fraction (time per token, or cloud work)", ge=0, lt=1)
 
     def __post_init__(self) -> None:
         bad = [p for p in names(self.policies) if p not in POLICIES]

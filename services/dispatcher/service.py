@@ -148,13 +148,13 @@ class Dispatcher(Service):
         if len(self.requests) >= self.cfg.max_sessions:
             raise ProtocolError(protocol.BUSY, f"{len(self.requests)} requests in flight")
         ids = self.prompt_ids(msg)
-        choice = None
+        choice = partner = None
         if auto:   # admitted as the mode chosen for it
-            msg, choice = self.auto.admit(self, msg)
+            msg, choice, partner = self.auto.admit(self, msg)
             mode = msg.mode
         policy = self.modes[mode].policy(self, msg)
         req = Request(self, ident, msg, ids, mode, policy)
-        req.choice = choice
+        req.choice, req.switch_to = choice, partner
         req.client = security.client_id(ident, frames, msg.client, self.delegates)
         req.quota = len(req.prompt_ids) + msg.max_tokens
         self.quota.admit(req.client, req.quota)       # per-client limits: busy / too_large
@@ -172,7 +172,8 @@ class Dispatcher(Service):
         labels = (self.name, req.mode, req.policy)
         outcome = "ok"
         reply = None  # the request's last message: Done, or (code, message) for an Error
-        runner = asyncio.ensure_future(self.modes[req.mode].run(req))
+        runner = asyncio.ensure_future(self.auto.run(req) if req.switch_to is not None
+                                       else self.modes[req.mode].run(req))
         cancel = asyncio.ensure_future(req.cancelled.wait())
         try:
             done, _ = await asyncio.wait([runner, cancel], timeout=req.remaining(),

@@ -10,6 +10,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from services.dispatcher import auto_policy
+from services.dispatcher.auto_policy import SpecFigures
 from services.dispatcher.config import AutoConfig
 from tandem import InvalidRequest
 from tandem.inprocess import BackgroundStack
@@ -86,6 +87,56 @@ def test_seeded_gumbel_sampling_gives_the_same_tokens_whatever_auto_chooses(stac
                           mode="spec", **sampled)
     assert "spec" in served          # the least cloud work: accepted drafts save forwards
     assert set(served.values()) == {tuple(cloud.token_ids)} == {tuple(spec.token_ids)}
+
+
+@pytest.fixture
+def switching_every_4_tokens(stack):
+    """Predictions far below any live pace, so every recheck (every 4 tokens) switches: the
+    request alternates between spec and cloud-only. The estimates are restored after."""
+    d = stack.stack.services["dispatcher"]
+    e, cfg = d.auto.estimates, d.cfg.auto
+    saved = e.t_dec, dict(e.spec), cfg.switch_every
+    e.t_dec, cfg.switch_every = 1e-6, 4
+    e.spec["pipesd"] = SpecFigures(acceptance=0.7, draft_len=6, forwards_per_token=0.3,
+                                   calibration=1e-6)
+    yield
+    e.t_dec, e.spec, cfg.switch_every = saved
+
+
+def _prefilled(service: str) -> float:
+    return REGISTRY.get_sample_value("tandem_forward_batch_tokens_sum",
+                                     {"service": service, "phase": "prefill"}) or 0.0
+
+
+def _switches() -> float:
+    return sum(REGISTRY.get_sample_value("tandem_auto_switches_total", {
+        "service": "dispatcher", "from_mode": a, "to_mode": b,
+        "reason": auto_policy.SWITCH_FASTER}) or 0.0
+        for a, b in (("spec", "cloud-only"), ("cloud-only", "spec")))
+
+
+def test_switching_mid_request_keeps_the_cache_and_greedy_and_seeded_output_exact(
+        stack, ids, reference, switching_every_4_tokens):
+    n = 20
+    before = _switches()
+    prefilled = _prefilled("verifier")
+    r = stack.complete(list(ids), max_tokens=n, stop_at_eos=False, deadline_s=120, mode="auto")
+    assert r.token_ids == reference(ids, n)
+    modes = [s["mode"] for s in r.stats.segments]
+    assert len(modes) >= 3 and "spec" in modes and "cloud-only" in modes, r.stats.segments
+    assert all(a != b for a, b in zip(modes, modes[1:]))          # each stretch a switch
+    assert all(s["why"] == auto_policy.SWITCH_FASTER for s in r.stats.segments[1:])
+    assert sum(s["tokens"] for s in r.stats.segments) == n
+    assert _switches() == before + len(modes) - 1
+    # the verifier prefilled the prompt once; a switch adopts its cache and feeds one token
+    assert _prefilled("verifier") - prefilled <= len(ids) - 1 + 2 * (len(modes) - 1)
+    sampled = dict(temperature=0.8, seed=5, sampling_coupling="gumbel")
+    switched = stack.complete(list(ids), max_tokens=n, stop_at_eos=False, deadline_s=120,
+                              mode="auto", **sampled)
+    assert len(switched.stats.segments) >= 3
+    cloud = stack.complete(list(ids), max_tokens=n, stop_at_eos=False, deadline_s=120,
+                           mode="cloud-only", **sampled)
+    assert switched.token_ids == cloud.token_ids
 
 
 @pytest.mark.parametrize("kw, field", [({"tpt_slo_ms": -1.0}, "tpt_slo_ms"),

@@ -105,3 +105,29 @@ def test_auto_settings_refuse_unknown_policies_and_bad_cuts():
         AutoConfig(policies="pipesd,nope")
     with pytest.raises(ValueError, match="auto_cuts"):
         AutoConfig(cuts="4,x")
+
+
+def test_recheck_switches_only_for_a_gain_past_the_hysteresis():
+    e = measured(t_dec=0.05, spec_tpt=0.08)
+    assert ap.recheck(PIPESD, CLOUD_ONLY, 0.08, e, LINK, hysteresis=0.2) == \
+        ap.Switch(CLOUD_ONLY, ap.SWITCH_FASTER)
+    assert ap.recheck(PIPESD, CLOUD_ONLY, 0.06, e, LINK, hysteresis=0.2) == ap.STAY  # 17 %
+    assert ap.recheck(CLOUD_ONLY, PIPESD, 0.05, e, LINK) == ap.STAY
+    # this prompt drafts well: live spec beats cloud-only's prediction, so it stays
+    assert ap.recheck(PIPESD, CLOUD_ONLY, 0.03, e, LINK) == ap.STAY
+
+
+def test_recheck_under_a_target_meets_it_then_saves_cloud_work():
+    e = measured(t_dec=0.05, spec_tpt=0.08, fpt=0.3)
+    # cloud-only meets 0.1 and so would spec, with 30 % of the work: switch
+    assert ap.recheck(CLOUD_ONLY, PIPESD, 0.05, e, LINK, slo_s=0.1) == \
+        ap.Switch(PIPESD, ap.SWITCH_LESS_CLOUD)
+    # spec live misses 0.07, cloud-only meets it
+    assert ap.recheck(PIPESD, CLOUD_ONLY, 0.09, e, LINK, slo_s=0.07) == \
+        ap.Switch(CLOUD_ONLY, ap.SWITCH_MEET_SLO)
+    # spec meets the target with less work than cloud-only would: it stays
+    assert ap.recheck(PIPESD, CLOUD_ONLY, 0.08, e, LINK, slo_s=0.1) == ap.STAY
+
+
+def test_recheck_stays_when_the_other_mode_cannot_be_predicted():
+    assert ap.recheck(CLOUD_ONLY, PIPESD, 0.05, measured(), LINK) == ap.STAY
