@@ -95,7 +95,7 @@ class SpecFigures:
     acceptance: float           # accepted / drafted tokens
     draft_len: float            # draft tokens per round
     forwards_per_token: float   # verifier forwards per emitted token
-    calibration: float = 1.0    # measured T / the model's T
+    calibration: float | None = None   # measured T / the model's T; None: not measured yet
     proactive: bool = True
 
 
@@ -170,23 +170,20 @@ class Estimates:
                      forwards_per_token: float, decode_s_per_token: float,
                      proactive: bool) -> None:
         """A finished speculative request. Its calibration needs t_dec (before that, the
-        model's figures are kept and the calibration waits for the next one)."""
+        model's figures are kept and the calibration starts with the first request after)."""
         w = self.ewma
         f = self.spec.get(policy)
         if f is None:
             f = self.spec[policy] = SpecFigures(acceptance, draft_len, forwards_per_token,
                                                 proactive=proactive)
-            first = True
         else:
             f.acceptance = _ewma(f.acceptance, acceptance, w)
             f.draft_len = _ewma(f.draft_len, draft_len, w)
             f.forwards_per_token = _ewma(f.forwards_per_token, forwards_per_token, w)
-            first = False
         if self.t_dec is not None and decode_s_per_token > 0:
             model = spec_model_tpt(f, link, self.t_dec)
             if model > 0:
-                ratio = decode_s_per_token / model
-                f.calibration = ratio if first else _ewma(f.calibration, ratio, w)
+                f.calibration = _ewma(f.calibration, decode_s_per_token / model, w)
 
     def observe_split(self, cut: int, edge_s: float, cloud_s: float) -> None:
         f = self.split.get(cut)
@@ -214,7 +211,8 @@ def predict(c: Candidate, e: Estimates, link: Link) -> Prediction | None:
         f = e.spec.get(c.policy)
         if f is None:
             return None
-        return Prediction(c, f.calibration * spec_model_tpt(f, link, e.t_dec),
+        calibration = 1.0 if f.calibration is None else f.calibration
+        return Prediction(c, calibration * spec_model_tpt(f, link, e.t_dec),
                           e.t_dec * f.forwards_per_token)
     f = e.split.get(c.cut)
     if f is None:

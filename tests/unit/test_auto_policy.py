@@ -131,3 +131,14 @@ def test_recheck_under_a_target_meets_it_then_saves_cloud_work():
 
 def test_recheck_stays_when_the_other_mode_cannot_be_predicted():
     assert ap.recheck(CLOUD_ONLY, PIPESD, 0.05, measured(), LINK) == ap.STAY
+
+
+def test_calibration_starts_with_the_first_spec_request_timed_after_cloud_only():
+    e = Estimates()
+    e.observe_spec("pipesd", LINK, acceptance=0.7, draft_len=6.0, forwards_per_token=0.3,
+                   decode_s_per_token=0.08, proactive=True)   # no t_dec yet: uncalibrated
+    assert e.spec["pipesd"].calibration is None
+    e.observe_cloud(0.05)
+    e.observe_spec("pipesd", LINK, acceptance=0.7, draft_len=6.0, forwards_per_token=0.3,
+                   decode_s_per_token=0.08, proactive=True)
+    assert ap.predict(PIPESD, e, LINK).tpt_s == pytest.approx(0.08)
