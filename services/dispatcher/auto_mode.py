@@ -11,10 +11,11 @@ the two among its candidates, runs as stretches (`run`): every `auto_switch_ever
 running stretch asks auto_policy.recheck; on a switch it stops at a token boundary and leaves
 its verifier session open, and the next stretch opens with `adopt` naming it (protocol ADOPT):
 the verifier keeps the KV cache of the committed tokens and prefills only the last one or two.
-Switching to cloud-only, the verifier decodes on from there; switching to speculative, the
-drafter opens on the committed tokens and its prompt cache (the context of its previous
-stretch) leaves only the tokens committed since to catch up on. The output stays exactly the
-target's: every stretch starts from exactly the committed tokens.
+Switching to cloud-only, the verifier decodes on from there, and the drafter session stays
+open, idle; switching back to speculative, it is rolled back to the committed tokens it holds
+and catches up on the ones committed since (a new request's first speculative stretch opens it
+on the whole stream). The output stays exactly the target's: every stretch starts from exactly
+the committed tokens.
 
 Candidates: cloud-only always; the configured spec policies (or the request's own `policy`)
 while the drafter is up; split at the configured cuts (or the request's own `cut`) while the
@@ -126,56 +127,65 @@ class Auto:
 
     async def run(self, req) -> None:
         """Serve a request that may switch: its stretches in turn, each adopting the verifier
-        session the one before left open."""
+        session (and the drafter session) the ones before left open."""
         d, cfg = req.d, self.cfg.auto
         current, other, why = req.choice.candidate, req.switch_to, req.choice.reason
         slo = self.slo_s(req.msg)
-        handover = None
-        while True:
-            start = len(req.tokens)
-            segment = {"mode": current.mode, "policy": current.label, "tokens": 0, "why": why}
-            req.segments.append(segment)
-            verdict: list[Switch] = []
-            window: list[tuple[int, float]] = []   # where the live figure's window starts
+        handover = drafter = None
+        try:
+            while True:
+                start = len(req.tokens)
+                segment = {"mode": current.mode, "policy": current.label, "tokens": 0,
+                           "why": why}
+                req.segments.append(segment)
+                verdict: list[Switch] = []
+                window: list[tuple[int, float]] = []   # where the live figure's window starts
 
-            def due(current=current, other=other, start=start, segment=segment,
-                    verdict=verdict, window=window) -> bool:
-                n, now = len(req.tokens), time.monotonic()
-                segment["tokens"] = n - start
-                if not window:   # the stretch's first token (its prefill) is not its pace
-                    window.append((n, now))
+                def due(current=current, other=other, start=start, segment=segment,
+                        verdict=verdict, window=window) -> bool:
+                    n, now = len(req.tokens), time.monotonic()
+                    segment["tokens"] = n - start
+                    if not window:   # the stretch's first token (its prefill) is not its pace
+                        window.append((n, now))
+                        return False
+                    n0, t0 = window[0]
+                    if n - n0 < cfg.switch_every:
+                        return False
+                    window[0] = (n, now)
+                    v = auto_policy.recheck(current, other, (now - t0) / (n - n0),
+                                            self.estimates, self.link(d), slo, cfg.hysteresis)
+                    if isinstance(v, Switch):
+                        verdict.append(v)
+                        return True
                     return False
-                n0, t0 = window[0]
-                if n - n0 < cfg.switch_every:
-                    return False
-                window[0] = (n, now)
-                v = auto_policy.recheck(current, other, (now - t0) / (n - n0), self.estimates,
-                                        self.link(d), slo, cfg.hysteresis)
-                if isinstance(v, Switch):
-                    verdict.append(v)
-                    return True
-                return False
 
-            req.switcher = due
-            try:
-                if current.mode == "cloud-only":
-                    handover = await cloud_only.stretch(req, segment_tag(start), handover)
-                else:
-                    run = SpecRun(req, check_policy(current.policy, req.sampling),
-                                  d.modes["spec"].edge, segment_tag(start), handover)
-                    try:
-                        await run.run()
-                    finally:
-                        await run.close()
-                    handover = run.handover
-            finally:
-                req.switcher = None
-                segment["tokens"] = len(req.tokens) - start
-            if handover is None or req.done or not verdict:
-                return
-            metrics.AUTO_SWITCHES.labels(d.name, current.mode, verdict[0].to.mode,
-                                         verdict[0].reason).inc()
-            current, other, why = verdict[0].to, current, verdict[0].reason
+                req.switcher = due
+                try:
+                    if current.mode == "cloud-only":
+                        handover = await cloud_only.stretch(req, segment_tag(start), handover)
+                    else:
+                        run = SpecRun(req, check_policy(current.policy, req.sampling),
+                                      d.modes["spec"].edge, segment_tag(start), handover,
+                                      drafter)
+                        drafter = None   # the stretch owns it now (and closes it, or hands it on)
+                        try:
+                            await run.run()
+                        finally:
+                            await run.close()
+                        handover, drafter = run.handover, run.drafter_handover
+                finally:
+                    req.switcher = None
+                    segment["tokens"] = len(req.tokens) - start
+                if handover is None or req.done or not verdict:
+                    return
+                metrics.AUTO_SWITCHES.labels(d.name, current.mode, verdict[0].to.mode,
+                                             verdict[0].reason).inc()
+                current, other, why = verdict[0].to, current, verdict[0].reason
+        finally:
+            if drafter is not None:   # kept open for a speculative stretch that never came
+                d.spawn(d.close_remote(d.drafter, drafter[0]))
+            if handover is not None:   # left open for a stretch that never came
+                d.spawn(d.close_remote(*handover))
 
     def observe(self, d, stats: dict) -> None:
         """A request that finished normally (any mode, chosen or named): its figures feed the

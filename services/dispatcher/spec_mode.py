@@ -214,11 +214,15 @@ class Spec:
 class SpecRun:
     """One speculative session. Under mode "auto" it may be one stretch of a request that
     switches to and from cloud-only: it starts from the stream's current end (`adopt`: the
-    (peer, sid) of the verifier session whose KV cache it takes over, protocol ADOPT; the
-    drafter catches up through its prompt cache) and stops when `req.switch_due()` says so,
-    leaving its verifier session open for the next stretch (`handover`)."""
+    (peer, sid) of the verifier session whose KV cache it takes over, protocol ADOPT) and stops
+    when `req.switch_due()` says so, leaving its verifier session open for the next stretch
+    (`handover`), and its drafter session too (`drafter_handover`: (sid, synced, epoch), its
+    first `synced` tokens being committed ones). Given such a drafter session (`drafter`), it
+    rolls it back to those tokens and appends the ones committed since: the drafter catches up
+    on them alone instead of opening on the whole stream."""
 
-    def __init__(self, req, policy, edge: Edge, tag: str = "", adopt: tuple | None = None):
+    def __init__(self, req, policy, edge: Edge, tag: str = "", adopt: tuple | None = None,
+                 drafter: tuple | None = None):
         self.req = req
         self.d = req.d
         self.cfg = req.d.cfg
@@ -241,7 +245,9 @@ class SpecRun:
                                      peer=adopt[0] if adopt else None)
         self.vpeer = None
         self.vsid = self.rec.sid
-        self.dsid = req.sid + tag          # the drafter session
+        self.dsid = drafter[0] if drafter else req.sid + tag   # the drafter session
+        self.resume_drafter = drafter
+        self.drafter_handover: tuple | None = None
         self.adopt = adopt[1] if adopt else ""
         self.base = len(req.tokens)        # tokens streamed before this session
         self.handover: tuple | None = None  # (peer, sid) left open for the next stretch
@@ -345,8 +351,17 @@ class SpecRun:
             # a drafter seen before and down now is not waited for: the target goes on alone
             wait = 0.0 if d.drafter.last_seen else min(self.cfg.peer_wait_s, req.remaining())
             self.drafter_alive = d.drafter.up or await d.drafter.wait_up(wait)
+        if self.resume_drafter:   # its rollback's epoch must pass the session's last one
+            self.sm.epoch = self.resume_drafter[2] + 1
         actions = self.sm.start()
-        if self.drafter_alive:
+        if self.drafter_alive and self.resume_drafter:
+            self.dch = d.drafter.channel()
+            self._reader(self.dch, "d")
+            synced = self.resume_drafter[1]
+            await self.dch.send(protocol.DraftRollback(
+                sid=self.dsid, seq=self.sm.epoch, keep=synced, append=committed[synced:],
+                until=self.sm.until))
+        elif self.drafter_alive:
             self.dch = d.drafter.channel()
             self._reader(self.dch, "d")
             await self.dch.send(protocol.DraftOpen(
@@ -564,6 +579,11 @@ class SpecRun:
                 self._bo(len(a.tokens))
                 if not self.edge_only and req.switch_due():
                     self.handover = (self.vpeer, self.vsid)
+                    if self.dch is not None and self.drafter_alive and not self.policy.tree:
+                        # the round just resolved started at the committed end before it: the
+                        # drafter's context holds exactly the committed tokens up to there
+                        synced = self.sm.C - len(a.tokens)
+                        self.drafter_handover = (self.dsid, synced, self.sm.epoch)
                     return
             elif isinstance(a, SendBatch):
                 await self._send_batch(a)
@@ -712,7 +732,7 @@ class SpecRun:
         d, sid = self.d, self.dsid
         if self.vch is not None and not self.edge_only and self.handover is None:
             d.spawn(d.close_remote(self.vpeer, self.vsid))
-        if self.dch is not None and self.drafter_alive:
+        if self.dch is not None and self.drafter_alive and self.drafter_handover is None:
             d.spawn(d.close_remote(d.drafter, sid))
         self.rec.finish()
         if self.sm is not None:

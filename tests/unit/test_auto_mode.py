@@ -108,6 +108,11 @@ def _prefilled(service: str) -> float:
                                      {"service": service, "phase": "prefill"}) or 0.0
 
 
+def _drafter_opens() -> float:
+    return REGISTRY.get_sample_value("tandem_messages_total",
+                                     {"service": "drafter", "type": "draft_open"}) or 0.0
+
+
 def _switches() -> float:
     return sum(REGISTRY.get_sample_value("tandem_auto_switches_total", {
         "service": "dispatcher", "from_mode": a, "to_mode": b,
@@ -119,7 +124,7 @@ def test_switching_mid_request_keeps_the_cache_and_greedy_and_seeded_output_exac
         stack, ids, reference, switching_every_4_tokens):
     n = 20
     before = _switches()
-    prefilled = _prefilled("verifier")
+    prefilled, drafter_opens = _prefilled("verifier"), _drafter_opens()
     r = stack.complete(list(ids), max_tokens=n, stop_at_eos=False, deadline_s=120, mode="auto")
     assert r.token_ids == reference(ids, n)
     modes = [s["mode"] for s in r.stats.segments]
@@ -130,6 +135,9 @@ def test_switching_mid_request_keeps_the_cache_and_greedy_and_seeded_output_exac
     assert _switches() == before + len(modes) - 1
     # the verifier prefilled the prompt once; a switch adopts its cache and feeds one token
     assert _prefilled("verifier") - prefilled <= len(ids) - 1 + 2 * (len(modes) - 1)
+    # the drafter session opened once: back to spec, it catches up in the session it kept
+    assert modes.count("spec") >= 2 and _drafter_opens() - drafter_opens == 1
+    assert not r.stats.drafter_lost and r.stats.accepted_tokens > 0   # and it drafted on
     sampled = dict(temperature=0.8, seed=5, sampling_coupling="gumbel")
     switched = stack.complete(list(ids), max_tokens=n, stop_at_eos=False, deadline_s=120,
                               mode="auto", **sampled)
