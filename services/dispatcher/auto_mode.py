@@ -132,6 +132,7 @@ class Auto:
         current, other, why = req.choice.candidate, req.switch_to, req.choice.reason
         slo = self.slo_s(req.msg)
         handover = drafter = None
+        forwards = 0   # the verifier's forwards for this request: one per cloud-only token
         try:
             while True:
                 start = len(req.tokens)
@@ -162,7 +163,11 @@ class Auto:
                 req.switcher = due
                 try:
                     if current.mode == "cloud-only":
-                        handover = await cloud_only.stretch(req, segment_tag(start), handover)
+                        try:
+                            handover = await cloud_only.stretch(req, segment_tag(start),
+                                                                handover)
+                        finally:
+                            forwards += len(req.tokens) - start
                     else:
                         run = SpecRun(req, check_policy(current.policy, req.sampling),
                                       d.modes["spec"].edge, segment_tag(start), handover,
@@ -172,6 +177,7 @@ class Auto:
                             await run.run()
                         finally:
                             await run.close()
+                            forwards += run.forwards
                         handover, drafter = run.handover, run.drafter_handover
                 finally:
                     req.switcher = None
@@ -182,6 +188,8 @@ class Auto:
                                              verdict[0].reason).inc()
                 current, other, why = verdict[0].to, current, verdict[0].reason
         finally:
+            if req.tokens:
+                req.stats["cloud_forwards_per_token"] = forwards / len(req.tokens)
             if drafter is not None:   # kept open for a speculative stretch that never came
                 d.spawn(d.close_remote(d.drafter, drafter[0]))
             if handover is not None:   # left open for a stretch that never came

@@ -51,6 +51,7 @@ def test_auto_chooses_cold_start_then_explores_then_predicts_and_stays_exact(sta
     assert first.stats.segments == ({"mode": "cloud-only", "policy": "cloud-only",
                                      "tokens": N, "why": auto_policy.COLD_START},)
     assert first.stats.auto["reason"] == auto_policy.COLD_START
+    assert first.stats.cloud_forwards_per_token == 1.0
     assert _choices("cloud-only", "cloud-only", auto_policy.COLD_START) == cold + 1
 
     second = _auto(stack, ids)                       # explore_every=2: pipesd is tried
