@@ -9,6 +9,8 @@ from __future__ import annotations
 import pytest
 from prometheus_client import REGISTRY
 
+from common import protocol
+from common.runtime import PeerError
 from services.dispatcher import auto_policy
 from services.dispatcher.auto_policy import SpecFigures
 from services.dispatcher.config import AutoConfig
@@ -146,6 +148,21 @@ def test_switching_mid_request_keeps_the_cache_and_greedy_and_seeded_output_exac
     cloud = stack.complete(list(ids), max_tokens=n, stop_at_eos=False, deadline_s=120,
                            mode="cloud-only", **sampled)
     assert switched.token_ids == cloud.token_ids
+
+
+def test_a_verifier_refuses_to_adopt_a_session_it_does_not_hold(stack, ids):
+    """protocol ADOPT: a cache is only ever taken from a session of the same sender that is
+    open there; anything else is `unknown_session` (a switch then replays from the committed
+    tokens, like any lost session)."""
+    async def adopt(s, msg):
+        with pytest.raises(PeerError) as e:
+            await s.services["dispatcher"].verifier.request(msg, timeout=30)
+        return e.value.code
+    for kind in (protocol.CloudGenerate(sid="adopt-test", seq=1, token_ids=list(ids),
+                                        max_tokens=2, adopt="nobody"),
+                 protocol.SpecOpen(sid="adopt-test-2", seq=1, token_ids=list(ids),
+                                   adopt="nobody")):
+        assert stack.call(lambda s, kind=kind: adopt(s, kind)) == protocol.UNKNOWN_SESSION
 
 
 @pytest.mark.parametrize("kw, field", [({"tpt_slo_ms": -1.0}, "tpt_slo_ms"),
