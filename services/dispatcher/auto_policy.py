@@ -39,8 +39,11 @@ Cold start. Before cloud-only has a measured t_dec, there is nothing to compare 
 is chosen (on this machine it has the earliest first token and is never slower per token). A
 speculative policy that was never measured cannot be predicted, so it is tried: every
 `explore_every`-th auto request goes to an unmeasured candidate (reason "explore"), and from its
-figures on it is predicted like the rest. Split is never explored (chosen at the start only, and
-it pays a round trip per token): it is a candidate once split requests at that cut measured it.
+figures on it is predicted like the rest. Once all are measured, that request goes to the
+candidate measured longest ago, so a mode that stopped being chosen is measured again (its
+figures would otherwise stay those of another load). Split is never explored (chosen at the
+start only, and it pays a round trip per token): it is a candidate once split requests at that
+cut measured it.
 """
 
 from __future__ import annotations
@@ -162,9 +165,16 @@ class Estimates:
     t_dec: float | None = None                           # cloud-only decode step, seconds
     spec: dict[str, SpecFigures] = field(default_factory=dict)
     split: dict[int, SplitFigures] = field(default_factory=dict)
+    observed: int = 0                                    # observations so far, of any candidate
+    last: dict[Candidate, int] = field(default_factory=dict)   # `observed` at its last one
+
+    def _seen(self, c: Candidate) -> None:
+        self.observed += 1
+        self.last[c] = self.observed
 
     def observe_cloud(self, decode_s_per_token: float) -> None:
         self.t_dec = _ewma(self.t_dec, decode_s_per_token, self.ewma)
+        self._seen(CLOUD_ONLY)
 
     def observe_spec(self, policy: str, link: Link, *, acceptance: float, draft_len: float,
                      forwards_per_token: float, decode_s_per_token: float,
@@ -172,6 +182,7 @@ class Estimates:
         """A finished speculative request. Its calibration needs t_dec (before that, the
         model's figures are kept and the calibration starts with the first request after)."""
         w = self.ewma
+        self._seen(Candidate("spec", policy=policy))
         f = self.spec.get(policy)
         if f is None:
             f = self.spec[policy] = SpecFigures(acceptance, draft_len, forwards_per_token,
@@ -186,6 +197,7 @@ class Estimates:
                 f.calibration = _ewma(f.calibration, decode_s_per_token / model, w)
 
     def observe_split(self, cut: int, edge_s: float, cloud_s: float) -> None:
+        self._seen(Candidate("split", cut=cut))
         f = self.split.get(cut)
         if f is None:
             self.split[cut] = SplitFigures(edge_s, cloud_s)
@@ -223,13 +235,19 @@ def predict(c: Candidate, e: Estimates, link: Link) -> Prediction | None:
 def choose(candidates: list[Candidate], e: Estimates, link: Link, slo_s: float | None = None,
            explore: bool = False) -> Choice:
     """The candidate to serve a request with. `candidates` are those available now (cloud-only
-    always among them); `explore` says this request may try an unmeasured speculative one."""
+    always among them); `explore` says this request may try an unmeasured speculative one, or
+    else the cloud-only or speculative candidate measured longest ago."""
     if CLOUD_ONLY not in candidates:
         raise ValueError("cloud-only must be a candidate: it is the fallback of every rule")
     if explore:
         for c in candidates:
             if c.mode == "spec" and not e.measured(c):
                 return Choice(c, EXPLORE)
+        if e.t_dec is not None:
+            stalest = min((c for c in candidates if c.mode != "split"),
+                          key=lambda c: e.last.get(c, 0))
+            return Choice(stalest, EXPLORE, tuple(
+                p for p in (predict(c, e, link) for c in candidates) if p is not None))
     if e.t_dec is None:
         return Choice(CLOUD_ONLY, COLD_START)
     preds = tuple(p for p in (predict(c, e, link) for c in candidates) if p is not None)

@@ -70,6 +70,11 @@ def test_auto_chooses_cold_start_then_explores_then_predicts_and_stays_exact(sta
     fastest = min(third.stats.auto["predictions"], key=lambda p: p["tpt_s"])
     assert third.stats.auto["chosen"] == fastest["candidate"]
 
+    fourth = _auto(stack, ids)                       # explores again: the one measured longest ago
+    assert fourth.token_ids == want
+    assert fourth.stats.auto["reason"] == auto_policy.EXPLORE
+    assert fourth.stats.auto["chosen"] != third.stats.auto["chosen"]
+
     # a target every mode meets: the least cloud work, which speculation's accepted drafts save
     slo = _auto(stack, ids, tpt_slo_ms=1e6)
     assert slo.token_ids == want
@@ -78,7 +83,16 @@ def test_auto_chooses_cold_start_then_explores_then_predicts_and_stays_exact(sta
     assert slo.stats.auto["chosen"] == least["candidate"]
 
 
-def test_seeded_gumbel_sampling_gives_the_same_tokens_whatever_auto_chooses(stack, ids):
+@pytest.fixture
+def no_exploring(stack):
+    cfg = stack.stack.services["dispatcher"].cfg.auto
+    saved, cfg.explore_every = cfg.explore_every, 0
+    yield
+    cfg.explore_every = saved
+
+
+def test_seeded_gumbel_sampling_gives_the_same_tokens_whatever_auto_chooses(stack, ids,
+                                                                            no_exploring):
     sampled = dict(temperature=0.8, seed=11, sampling_coupling="gumbel")
     served = {}
     for slo in (1e6, 0.0):       # the least cloud work, then the fastest
@@ -124,7 +138,7 @@ def _switches() -> float:
 
 
 def test_switching_mid_request_keeps_the_cache_and_greedy_and_seeded_output_exact(
-        stack, ids, reference, switching_every_4_tokens):
+        stack, ids, reference, switching_every_4_tokens, no_exploring):
     n = 20
     before = _switches()
     prefilled, drafter_opens = _prefilled("verifier"), _drafter_opens()

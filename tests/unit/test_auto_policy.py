@@ -35,8 +35,19 @@ def test_explore_tries_an_unmeasured_spec_policy_once_then_predicts_it():
     c = ap.choose([CLOUD_ONLY, PIPESD, SPLIT4], e, LINK, explore=True)
     assert (c.candidate, c.reason) == (PIPESD, ap.EXPLORE)
     e = measured(spec_tpt=0.08)
-    c = ap.choose([CLOUD_ONLY, PIPESD], e, LINK, explore=True)
-    assert c.reason == ap.FASTEST and c.candidate == CLOUD_ONLY
+    assert ap.choose([CLOUD_ONLY, PIPESD], e, LINK).candidate == CLOUD_ONLY
+
+
+def test_explore_remeasures_the_candidate_measured_longest_ago():
+    e = measured(t_dec=0.05, spec_tpt=0.03)          # spec measured last, and fastest
+    for _ in range(3):
+        e.observe_spec("pipesd", LINK, acceptance=0.7, draft_len=6.0, forwards_per_token=0.3,
+                       decode_s_per_token=0.03, proactive=True)
+    assert ap.choose([CLOUD_ONLY, PIPESD], e, LINK).candidate == PIPESD
+    c = ap.choose([CLOUD_ONLY, PIPESD, SPLIT4], e, LINK, explore=True)
+    assert (c.candidate, c.reason) == (CLOUD_ONLY, ap.EXPLORE)
+    e.observe_cloud(0.05)
+    assert ap.choose([CLOUD_ONLY, PIPESD], e, LINK, explore=True).candidate == PIPESD
 
 
 def test_split_is_never_explored_nor_predicted_unmeasured():
