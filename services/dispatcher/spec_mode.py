@@ -248,7 +248,7 @@ class SpecRun:
         self.dsid = drafter[0] if drafter else req.sid + tag   # the drafter session
         self.resume_drafter = drafter
         self.drafter_handover: tuple | None = None
-        self.adopt = adopt[1] if adopt else ""
+        self.adopt = adopt
         self.base = len(req.tokens)        # tokens streamed before this session
         self.handover: tuple | None = None  # (peer, sid) left open for the next stretch
         self.vsrc = "v"
@@ -340,9 +340,11 @@ class SpecRun:
         self.vch = self.vpeer.channel()
         self._reader(self.vch, self.vsrc)
         committed = self.rec.committed()
+        # the cache to adopt, unless its replica went down and the session opens elsewhere
+        adopt = self.adopt[1] if self.adopt and self.vpeer is self.adopt[0] else ""
         await self.vch.send(protocol.SpecOpen(sid=self.vsid, seq=OPEN_SEQ, token_ids=committed,
                                               sampling=req.sampling, stream=self.policy.stream,
-                                              adopt=self.adopt))
+                                              adopt=adopt))
         # One token wanted: it is the target's own (the last wanted position always is), so no
         # draft could be used and the drafter's prefill would be wasted edge work. It is opened
         # anyway when the request may have to go on from the drafter alone (allow_edge_only).
