@@ -33,8 +33,7 @@ import msgspec
 
 from common import metrics, protocol
 from common.protocol import ProtocolError
-from services.dispatcher import auto_policy
-from services.dispatcher import cloud_only
+from services.dispatcher import auto_policy, cloud_only
 from services.dispatcher.auto_policy import CLOUD_ONLY, Candidate, Choice, Estimates, Link, Switch
 from services.dispatcher.config import names
 from services.dispatcher.spec_mode import SpecRun, check_knobs, check_policy
@@ -45,6 +44,8 @@ NAME = "auto"
 
 
 class Auto:
+    """mode="auto" on one dispatcher: its estimates, shared by every request."""
+
     def __init__(self, cfg):
         self.cfg = cfg
         self.estimates = Estimates(ewma=cfg.auto.ewma)
