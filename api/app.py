@@ -15,8 +15,9 @@ own log-probabilities, log_softmax of its raw logits before temperature (vLLM's 
 `stream: true` answers Server-Sent Events in OpenAI's chunk shape ending with `data: [DONE]`
 (`stream_options.include_usage` adds a usage chunk). `stop` strings are found in the decoded
 text: the request is cancelled on the dispatcher at once, the stop string is not returned.
-Tandem's own options ride as extra body fields (openai-python's `extra_body`): `mode`,
-`policy`, `cut`, `deadline_s`, `nav_thresholds`, `top_k`, `allow_edge_only`, `ignore_eos`.
+Tandem's own options ride as extra body fields (openai-python's `extra_body`): `mode` (default
+auto: the dispatcher chooses), `tpt_slo_ms` (auto: a target time per token), `policy`, `cut`,
+`deadline_s`, `nav_thresholds`, `top_k`, `allow_edge_only`, `ignore_eos`.
 
 With API keys configured (api/auth.py) the /v1 routes need `Authorization: Bearer KEY` (401
 otherwise); each key is one client for the dispatcher's per-client limits.
@@ -102,7 +103,7 @@ class ApiError(Exception):
 
 
 _REQUEST_FIELDS = ("cut", "mode", "policy", "max_tokens", "temperature", "top_k", "top_p", "seed",
-                   "sampling_coupling", "nav_thresholds", "deadline_s", "prompt")
+                   "sampling_coupling", "nav_thresholds", "deadline_s", "prompt", "tpt_slo_ms")
 
 
 def from_tandem(e: TandemError, retry_after_s: int = 1) -> ApiError:
@@ -273,7 +274,8 @@ class Params:
             allow_edge_only=get_bool(body, "allow_edge_only"),
             stop_at_eos=not get_bool(body, "ignore_eos"),
             nav_thresholds=None if nav is None else (float(nav[0]), float(nav[1])),
-            logprobs=self.logprobs)
+            logprobs=self.logprobs,
+            tpt_slo_ms=get_num(body, "tpt_slo_ms", 0.0, lo=0, hi=1e9))
 
     def seeds(self) -> list[int | None]:
         """Each choice's seed: the request's + i, or, for n > 1 without one, distinct random

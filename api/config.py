@@ -18,8 +18,8 @@ class ApiConfig:
     target: str = setting("bundled", "HF dir of the served model: its tokenizer and chat template")
     model: str = setting(
         "tandem", "the model id /v1/models lists; requests must name it (or the target's directory name)")
-    default_mode: Literal["cloud-only", "spec", "split"] = setting(
-        "cloud-only", "mode of a request that names none")
+    default_mode: Literal["auto", "cloud-only", "spec", "split"] = setting(
+        "auto", "mode of a request that names none; auto = the dispatcher chooses")
     default_policy: str = setting("", "spec policy of a request that names none; \"\" = the dispatcher's")
     default_cut: int = setting(0, "split cut of a request that names none; 0 = the dispatcher's", ge=0)
     default_temperature: float = setting(

@@ -28,7 +28,7 @@ CANCELLED = Counter("tandem_api_cancelled_total",
                     ["route", "reason"])
 
 
-MODES = ("cloud-only", "spec", "split")
+MODES = ("auto", "cloud-only", "spec", "split")   # the requested mode
 
 
 def declare() -> None:

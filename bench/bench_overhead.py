@@ -125,11 +125,11 @@ def end_to_end(tokens: int, reps: int, threads: int) -> tuple[list[float], dict]
         c.wait_ready(180)
         tpts = []
         with Client(c.endpoint("dispatcher")) as cl:
-            cl.complete("Warm up", max_tokens=8, stop_at_eos=False)
+            cl.complete("Warm up", mode="cloud-only", max_tokens=8, stop_at_eos=False)
             for _ in range(reps):
                 t = time.perf_counter()
-                r = cl.complete("The history of the printing press begins", max_tokens=tokens,
-                                stop_at_eos=False)
+                r = cl.complete("The history of the printing press begins", mode="cloud-only",
+                                max_tokens=tokens, stop_at_eos=False)
                 # steady-state per-token time, excluding the prompt's prefill (TTFT)
                 tpts.append((time.perf_counter() - t - r.stats["ttft_s"]) / (tokens - 1))
         rss = {}
@@ -154,7 +154,8 @@ def _sdk_stream(client, prompt: str, tokens: int) -> tuple[float, float, int]:
     t0 = time.perf_counter()
     first = None
     n = 0
-    for chunk in client.generate(prompt, max_tokens=tokens, stop_at_eos=False):
+    for chunk in client.generate(prompt, mode="cloud-only", max_tokens=tokens,
+                                 stop_at_eos=False):
         if first is None:
             first = time.perf_counter()
         n += len(chunk.token_ids)

@@ -37,6 +37,13 @@ TPT = Histogram("tandem_time_per_accepted_token_seconds",
                 ["service", "mode", "policy"], buckets=LATENCY)
 E2E = Histogram("tandem_request_duration_seconds", "Request arrival to last token",
                 ["service", "mode", "policy"], buckets=LATENCY)
+AUTO_CHOICES = Counter("tandem_auto_choices_total",
+                       "Modes chosen for mode=auto requests, by the mode, its policy label and "
+                       "why (services/dispatcher/auto_policy.py REASONS)",
+                       ["service", "mode", "policy", "reason"])
+AUTO_SWITCHES = Counter("tandem_auto_switches_total",
+                        "mode=auto requests switched mid-stream between spec and cloud-only, "
+                        "by from, to and why", ["service", "from_mode", "to_mode", "reason"])
 
 # --- speculative decoding, in vLLM's shape ------------------------------------------------
 SPEC_DRAFTS = Counter("tandem_spec_drafts_total", "Verification rounds (NAVs)",

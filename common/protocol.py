@@ -188,7 +188,7 @@ class GenerateRequest(Msg, tag="generate"):
     prompt: str = ""
     token_ids: list[TokenId] | None = None   # pre-tokenised prompt instead of `prompt`
     chat: bool = False                   # apply the model's chat template to `prompt`
-    mode: str = "cloud-only"             # "spec" | "split" | "cloud-only"
+    mode: str = "cloud-only"             # "auto" | "spec" | "split" | "cloud-only"
     policy: str = ""                     # spec policy; "" = the dispatcher's default
     cut: Size = 0                        # split cut layer; 0 = the dispatcher's default
     max_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_ID)] = 64
@@ -211,6 +211,10 @@ class GenerateRequest(Msg, tag="generate"):
     #   pipesd/HSL/EdgeLLM thresholds, "c" EdgeLLM's constant; spec_mode.POLICY_KNOBS lists them
     logprobs: TopLogprobs | None = None
     # ^ send each token's TokenLogprob with this many alternatives; None = none (nothing computed)
+    tpt_slo_ms: Annotated[float, msgspec.Meta(ge=0.0, le=MAX_SECONDS * 1000)] = 0.0
+    # ^ auto mode: a target time per token in milliseconds; the dispatcher then chooses the mode
+    #   with the least cloud work that meets it (services/dispatcher/auto_policy.py); 0 = the
+    #   dispatcher's auto_tpt_slo_ms
 
 
 class Cancel(Msg, tag="cancel"):
@@ -239,6 +243,16 @@ class CloudGenerate(Msg, tag="cloud_generate"):
     sampling: Sampling = msgspec.field(default_factory=Sampling)
     eos_token_id: TokenId | None = None
     logprobs: TopLogprobs | None = None   # send each token's TokenLogprob; None = none
+    adopt: Annotated[str, msgspec.Meta(max_length=256)] = ""
+    # ^ ADOPT (below): a session of this sender whose KV cache this one takes over
+
+
+# ADOPT. A cloud-only or speculative open may name, in `adopt`, another session of the same
+# sender on this verifier (of either kind) whose KV cache holds a prefix of `token_ids`: that
+# session ends and the new one takes its cache, keeping the cached tokens up to the last one or
+# two of `token_ids` and prefilling only the rest. The dispatcher switches a request between
+# speculative and cloud-only so (mode="auto"), without prefilling it again; `token_ids` then has
+# at least two tokens.
 
 
 class CloudTokens(Msg, tag="cloud_tokens"):
@@ -258,6 +272,7 @@ class SpecOpen(Msg, tag="spec_open"):
     sampling: Sampling = msgspec.field(default_factory=Sampling)
     stream: bool = False
     logprobs: TopLogprobs | None = None   # every VerifyResult carries its tokens' TokenLogprobs
+    adopt: Annotated[str, msgspec.Meta(max_length=256)] = ""   # see ADOPT above
 
 
 class DraftBatch(Msg, tag="draft_batch"):

@@ -43,7 +43,8 @@ class Stats(Mapping):
 
     # --- every mode -----------------------------------------------------------------------------
     mode: str = ""
-    """The mode that served the request: "spec", "split" or "cloud-only"."""
+    """The mode that served the request: "spec", "split" or "cloud-only" (for mode="auto",
+    the one chosen)."""
     policy: str = ""
     """Speculative policy (pipesd, pipesd-stream, vanilla, hsl, edgellm, oracle-trigger); the mode's
     name in the other modes."""
@@ -60,6 +61,14 @@ class Stats(Mapping):
     cloud_forwards_per_token: float | None = None
     """Forward passes of the cloud target per emitted token: 1.0 in cloud-only mode, under 1 when
     speculation accepts drafts; None in split mode."""
+
+    segments: tuple[dict, ...] = ()
+    """The stretches of the request served one way, in order: each {"mode", "policy",
+    "tokens", "why"} (and "cut" in split mode); "why" is "requested" for a named mode, else the
+    auto chooser's reason (services/dispatcher/auto_policy.py REASONS)."""
+    auto: dict | None = None
+    """mode="auto" only: {"chosen", "reason", "predictions": [{"candidate", "tpt_s",
+    "cloud_s_per_token"}]}, what the chooser compared."""
 
     # --- speculative mode (None elsewhere) --------------------------------------------------------
     rounds: int | None = None

@@ -276,6 +276,8 @@ def _stats_line(stats: dict) -> str:
     parts = [f"mode={stats.get('mode')}"]
     if stats.get("mode") == "spec":
         parts.append(f"policy={stats.get('policy')}")
+    if stats.get("auto"):
+        parts.append(f"auto={stats['auto']['reason']}")
     parts.append(f"tokens={stats.get('generated_tokens')}")
     for key, label in (("ttft_s", "ttft"), ("tpt_s", "tpt")):
         if stats.get(key) is not None:
@@ -380,7 +382,7 @@ def cmd_generate(args) -> int:
     kw = dict(mode=args.mode, max_tokens=args.max_tokens, temperature=args.temperature,
               top_k=args.top_k, top_p=args.top_p, seed=args.seed, policy=args.policy,
               cut=args.cut, chat=args.chat, deadline_s=args.deadline,
-              sampling_coupling=args.sampling_coupling)
+              sampling_coupling=args.sampling_coupling, tpt_slo_ms=args.tpt_slo_ms)
     if _listening(args.endpoint) is False:   # ZMQ would queue the request and wait for minutes
         return _fail(args, "unavailable", f"no dispatcher at {args.endpoint} (connection refused)",
                      "start Tandem with `tandem up --detach` (`tandem status` shows what runs), "
@@ -390,8 +392,10 @@ def cmd_generate(args) -> int:
                     curve_client_key=args.curve_client_key or None) as c:
             if args.json:
                 r = c.complete(args.prompt, **kw)
-                print(json.dumps({"mode": args.mode, "token_ids": r.token_ids, "text": r.text,
-                                  "finish_reason": r.finish_reason, "stats": dict(r.stats)}))
+                print(json.dumps({"mode": r.stats.mode, "requested_mode": args.mode,
+                                  "segments": list(r.stats.segments), "token_ids": r.token_ids,
+                                  "text": r.text, "finish_reason": r.finish_reason,
+                                  "stats": dict(r.stats)}))
             else:
                 for chunk in c.generate(args.prompt, **kw):
                     print(chunk.text, end="", flush=True)
@@ -441,7 +445,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="the dispatcher's public key (NAME.key) when it runs CURVE")
     g.add_argument("--curve-client-key", default=os.environ.get("TANDEM_CURVE_CLIENT_KEY", ""),
                    help="this client's key pair (NAME.key_secret), allowlisted by the dispatcher")
-    g.add_argument("--mode", default="cloud-only", help="spec | split | cloud-only")
+    g.add_argument("--mode", default="auto", help="auto (the dispatcher chooses) | spec | split | "
+                                                  "cloud-only")
+    g.add_argument("--tpt-slo-ms", type=float, default=0.0,
+                   help="auto: target time per token (ms); the least cloud work meeting it is "
+                        "chosen (default: the dispatcher's, none = the fastest)")
     g.add_argument("--policy", default="", help="spec policy (default pipesd)")
     g.add_argument("--cut", type=int, default=0, help="split cut layer (0 = server default)")
     g.add_argument("--max-tokens", type=int, default=64)
@@ -454,7 +462,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(default: the dispatcher's setting)")
     g.add_argument("--chat", action="store_true", help="apply the chat template")
     g.add_argument("--deadline", type=float, default=None, help="seconds")
-    g.add_argument("--json", action="store_true", help='print {"mode","token_ids","text","stats"}')
+    g.add_argument("--json", action="store_true",
+                   help='print {"mode","requested_mode","segments","token_ids","text","stats"}')
     m = sub.add_parser("models", help="list, prepare, check or show models (docs/models.md)")
     m.add_argument("action", choices=["list", "prepare", "check", "show"])
     m.add_argument("name", nargs="?", default="", help="prepare: a named model (default "
@@ -478,11 +487,11 @@ def main(argv: list[str] | None = None) -> int:
     if rest:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.cmd == "up":
-        if args.mode == "auto":
+        if args.mode == "auto":   # the dispatcher chooses, among what this install can run
             root = Path(__file__).resolve().parent.parent / "services" / "dispatcher"
             ready = ("drafter" in _available_services() and (root / "spec_mode.py").is_file()
                      and (args.drafter or not args.target or args.target.endswith(".gguf")))
-            args.mode = "spec" if ready else "cloud-only"
+            args.mode = "auto" if ready else "cloud-only"
         return cmd_up(args)
     return {"down": cmd_down, "status": cmd_status, "generate": cmd_generate,
             "models": cmd_models}[args.cmd](args)

@@ -238,7 +238,7 @@ class AsyncClient:
                 q.put_nowait(msg)
 
     def generate(self, prompt: str | list[int] | None = None, *, messages: list | None = None,
-                 mode: str = "cloud-only", max_tokens: int = 64, temperature: float = 0.0,
+                 mode: str = "auto", max_tokens: int = 64, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None, policy: str = "",
                  cut: int = 0, chat: bool = False, deadline_s: float | None = None,
                  stop_at_eos: bool = True, allow_edge_only: bool = False,
@@ -246,7 +246,7 @@ class AsyncClient:
                  policy_knobs: dict[str, float] | None = None,
                  max_retries: int | None = None,
                  sampling_coupling: str | None = None,
-                 logprobs: int | None = None) -> AsyncStream:
+                 logprobs: int | None = None, tpt_slo_ms: float = 0.0) -> AsyncStream:
         """Stream a generation of `prompt` (text or token ids) or of `messages` (a conversation,
         [{"role", "content"}], through the target's chat template). `end_client`: the end client
         a gateway sends this for (the dispatcher's per-client limits count it separately).
@@ -256,6 +256,9 @@ class AsyncClient:
         `logprobs`: 0..20, each token's log-probability under the target (log_softmax of its raw
         logits, before temperature) and that many most likely alternatives, in Chunk.logprobs
         and Result.logprobs; None = none (nothing is computed).
+        `mode`: "auto" (the dispatcher chooses per request: the fastest, or with `tpt_slo_ms`
+        the least cloud work meeting that time per token; `result.stats.segments` says what it
+        chose and why), "cloud-only", "spec" or "split".
         Returns an AsyncStream; its `result` (and `self.last_result`) holds the whole result
         once it ended normally."""
         args = dict(prompt=prompt, messages=messages, mode=mode, max_tokens=max_tokens,
@@ -263,7 +266,8 @@ class AsyncClient:
                     cut=cut, chat=chat, deadline_s=deadline_s, stop_at_eos=stop_at_eos,
                     allow_edge_only=allow_edge_only, nav_thresholds=nav_thresholds,
                     end_client=end_client, policy_knobs=policy_knobs,
-                    sampling_coupling=sampling_coupling, logprobs=logprobs)
+                    sampling_coupling=sampling_coupling, logprobs=logprobs,
+                    tpt_slo_ms=tpt_slo_ms)
         retries = self.max_retries if max_retries is None else _check_retries(max_retries)
         return AsyncStream(self, args, retries)
 
@@ -284,7 +288,7 @@ class AsyncClient:
                                        coupling=a["sampling_coupling"]),
             deadline_s=deadline, allow_edge_only=a["allow_edge_only"],
             nav_thresholds=None if nav is None else [float(r) for r in nav],
-            client=a["end_client"], logprobs=a["logprobs"],
+            client=a["end_client"], logprobs=a["logprobs"], tpt_slo_ms=a["tpt_slo_ms"],
             policy_knobs=None if a["policy_knobs"] is None else {
                 str(k): float(v) for k, v in a["policy_knobs"].items()})
         try:   # the wire's own rules, before anything leaves: NaN, inf, out-of-range values

@@ -60,6 +60,44 @@ class SplitConfig:
 
 
 @dataclass
+class AutoConfig:
+    """mode="auto": the dispatcher chooses the mode per request, services/dispatcher/auto_mode.py."""
+    tpt_slo_ms: float = setting(
+        0.0, "target time per token of an auto request that names none: the least cloud work "
+             "meeting it is chosen; 0 = no target (the fastest mode)", ge=0)
+    policies: str = setting("pipesd", "spec policies auto may choose, comma-separated")
+    cuts: str = setting("", "split cuts auto may choose once measured, comma-separated; \"\" = "
+                            "split_cut")
+    explore_every: int = setting(
+        8, "every this many auto requests, one tries a spec policy never measured yet, so it "
+           "gets estimated; 0 = never", ge=0)
+    ewma: float = setting(0.3, "weight of a finished request in the estimates", gt=0, le=1)
+    switch_every: int = setting(
+        32, "re-decide between spec and cloud-only every this many tokens of a running request "
+            "(switching keeps the verifier's cache); 0 = never switch", ge=0)
+    hysteresis: float = setting(
+        0.2, "switch only for a gain of this fraction (time per token, or cloud work)", ge=0, lt=1)
+
+    def __post_init__(self) -> None:
+        bad = [p for p in names(self.policies) if p not in POLICIES]
+        if bad:
+            raise ValueError(f"auto_policies: unknown spec policies {bad}; "
+                             f"one of {', '.join(POLICIES)}")
+        try:
+            cuts = [int(c) for c in names(self.cuts)]
+        except ValueError:
+            raise ValueError(f"auto_cuts must be whole numbers, comma-separated; "
+                             f"got {self.cuts!r}") from None
+        if any(c < 1 for c in cuts):
+            raise ValueError(f"auto_cuts must be >= 1; got {self.cuts!r}")
+
+
+def names(csv: str) -> list[str]:
+    """The items of a comma-separated setting."""
+    return [x.strip() for x in csv.split(",") if x.strip()]
+
+
+@dataclass
 class DispatcherConfig(ServiceConfig):
     verifier: str = setting(default_endpoint("verifier"),
                             "cloud: target model (cloud-only and spec modes); comma-separated replicas, "
@@ -70,7 +108,7 @@ class DispatcherConfig(ServiceConfig):
                           "cloud: layers [c, L) (split mode); comma-separated replicas, "
                           "dns+tcp://NAME:PORT = every A record")
     target: str = setting("bundled", "HF dir whose tokenizer the dispatcher uses")
-    default_mode: Literal["cloud-only", "spec", "split"] = setting(
+    default_mode: Literal["cloud-only", "spec", "split", "auto"] = setting(
         "cloud-only", "mode of a request that names none")
     max_new_tokens: int = setting(4096, "largest max_tokens a request may ask for", ge=1)
     request_timeout_s: float = setting(120.0, "a request with no deadline gets this one", gt=0)
@@ -80,6 +118,7 @@ class DispatcherConfig(ServiceConfig):
                      "only on seed + prompt, any mode/policy) | rejection (more drafts accepted)")
     spec: SpecConfig = setting(factory=SpecConfig, help="speculative mode")
     split: SplitConfig = setting(factory=SplitConfig, help="split mode")
+    auto: AutoConfig = setting(factory=AutoConfig, help="auto mode: the dispatcher chooses")
     # --- reliability (services/dispatcher/recovery.py, recovery_policy.py) ---
     stall_s: float = setting(20.0, "a session that hears nothing this long (time left) is replayed",
                              gt=0)

@@ -193,12 +193,18 @@ async def first_up(peers: list[Peer], timeout: float) -> Peer | None:
 class Recovery:
     """One request's path through failures of one cloud role (verifier or suffix)."""
 
-    def __init__(self, req, peers: list[Peer], role: str, needs: tuple[Peer, ...] = ()):
+    def __init__(self, req, peers: list[Peer], role: str, needs: tuple[Peer, ...] = (),
+                 tag: str = "", peer: Peer | None = None):
+        """`tag`: appended to the session id (each stretch of a request that switches modes has
+        its own session); `peer`: the replica to start on (where the session it adopts is)."""
         self.req = req
         self.peers = peers
         self.role = role
         self.needs = needs              # edge peers the session also needs (split: the prefix)
-        self.peer: Peer | None = None   # the replica the session is on
+        self.tag = tag
+        self.peer: Peer | None = peer   # the replica the session is on
+        if peer is not None and isinstance(peers, Replicas):
+            peers.acquire(peer)
         self.attempt = 0                # replays so far
         self.failed_at = 0.0            # when the failure being recovered from was detected
         self.delay = 0.0                # backoff before the next replay connects
@@ -209,7 +215,8 @@ class Recovery:
     def sid(self) -> str:
         """The session id on the cloud side: fresh per replay, so a replica that still holds the
         old session (a partition that healed) never mistakes the replay for a retry of it."""
-        return self.req.sid if self.attempt == 0 else f"{self.req.sid}~r{self.attempt}"
+        sid = self.req.sid + self.tag
+        return sid if self.attempt == 0 else f"{sid}~r{self.attempt}"
 
     def committed(self) -> list[int]:
         """What a replay prefills: the prompt and every token already streamed."""
@@ -332,11 +339,13 @@ class Recovery:
 
 
 async def with_recovery(req, peers: list[Peer], role: str, attempt,
-                        needs: tuple[Peer, ...] = ()) -> None:
+                        needs: tuple[Peer, ...] = (), tag: str = "",
+                        peer: Peer | None = None) -> None:
     """Run `await attempt(rec, peer)` on a live replica until it completes, replaying after
     each recoverable failure; the request's stats get the recovery figures. `needs`: other
-    peers that must be up for an attempt (waited for, bounded, like the replicas)."""
-    rec = Recovery(req, peers, role, needs)
+    peers that must be up for an attempt (waited for, bounded, like the replicas); `tag`,
+    `peer`: as Recovery's."""
+    rec = Recovery(req, peers, role, needs, tag, peer)
     try:
         while True:
             peer = await rec.connect()

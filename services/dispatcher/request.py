@@ -70,6 +70,10 @@ class Request:
         self.first_token_at = 0.0
         self.last_token_at = 0.0
         self.stats: dict = {}            # mode-specific figures, returned in Done.stats
+        self.choice = None               # mode="auto": the auto_policy.Choice that chose `mode`
+        self.switch_to = None            # mode="auto": the Candidate it may switch to
+        self.switcher = None             # mode="auto", switching: asked by `switch_due`
+        self.segments: list[dict] = []   # mode="auto", switching: each stretch, in order
         self.cancelled = asyncio.Event()
         self.detok = Detokenizer(d.tokenizer)
 
@@ -128,6 +132,11 @@ class Request:
                 logprobs=None if lps is None else lps[i:i + step]))
         return not self.done
 
+    def switch_due(self) -> bool:
+        """Whether the stretch running now hands the request over to another mode here (mode
+        "auto"; the modes ask after each token they stream)."""
+        return self.switcher is not None and not self.done and self.switcher()
+
     def summary(self) -> dict:
         end = time.monotonic()
         n = len(self.tokens)
@@ -136,4 +145,14 @@ class Request:
                  "ttft_s": (self.first_token_at - self.start) if n else None,
                  "tpt_s": (end - self.start) / n if n else None}
         stats.update(self.stats)
+        if self.segments:
+            stats["segments"] = [dict(s) for s in self.segments]
+        else:
+            segment = {"mode": self.mode, "policy": self.policy, "tokens": n,
+                       "why": self.choice.reason if self.choice else "requested"}
+            if self.mode == "split":
+                segment["cut"] = stats.get("cut")
+            stats["segments"] = [segment]
+        if self.choice is not None:
+            stats["auto"] = self.choice.describe()
         return stats

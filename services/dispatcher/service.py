@@ -6,6 +6,8 @@ request):
 * cloud-only  services/dispatcher/cloud_only.py  target autoregressive in the cloud
 * spec        services/dispatcher/spec_mode.py   PipeSD speculative decoding
 * split       services/dispatcher/split_mode.py  DySCo split computing
+`mode="auto"` chooses one of them per request (services/dispatcher/auto_mode.py) and the request
+is admitted as that mode.
 A request (services/dispatcher/request.py) reaches its client only through `Request.emit`.
 """
 
@@ -18,7 +20,7 @@ from urllib.parse import urlsplit
 from common import chat, metrics, protocol, security
 from common.protocol import ProtocolError
 from common.runtime import PeerError, Service
-from services.dispatcher import recovery
+from services.dispatcher import auto_mode, recovery
 from services.dispatcher.config import DispatcherConfig
 from services.dispatcher.modes import Mode, make_modes
 from services.dispatcher.request import Request
@@ -40,6 +42,7 @@ class Dispatcher(Service):
         self.quota = security.ClientQuota(cfg.client_max_sessions, cfg.client_max_tokens)
         self.delegates: frozenset[str] = frozenset()   # gateways' keys (setup)
         self.modes: dict[str, Mode] = make_modes(cfg)
+        self.auto = auto_mode.Auto(cfg)
         self.route(protocol.GenerateRequest, self.on_generate)
         self.route(protocol.Cancel, self.on_cancel)
 
@@ -55,6 +58,7 @@ class Dispatcher(Service):
         # the label sets known now, at 0
         metrics.declare_dispatcher(self.name, {name: list(m.policies)
                                                for name, m in self.modes.items()})
+        auto_mode.declare_metrics(self.name, self.auto.policies())
         for reps in (self.verifiers, self.suffixes):
             if recovery.placement.is_dynamic(reps.spec):
                 self.spawn(self._discover(reps))
@@ -126,20 +130,31 @@ class Dispatcher(Service):
         if key in self.requests:
             return  # a retry of a request already running: its stream continues
         mode = msg.mode or self.cfg.default_mode
-        if mode not in self.modes:
+        if mode not in self.modes and mode != auto_mode.NAME:
             raise ProtocolError(protocol.BAD_FIELD, f"unknown mode {mode!r}; one of "
-                                                    f"{sorted(self.modes)}", field="mode")
+                                                    f"{sorted([*self.modes, auto_mode.NAME])}",
+                                field="mode")
         if not 1 <= msg.max_tokens <= self.cfg.max_new_tokens:
             raise ProtocolError(protocol.BAD_FIELD,
                                 f"max_tokens must be in [1, {self.cfg.max_new_tokens}]",
                                 field="max_tokens")
         s = msg.sampling
         protocol.check_sampling(s, len(self.tokenizer))
-        self.modes[mode].validate(self, msg)   # its own fields (cut, policy): before admission
+        auto = mode == auto_mode.NAME
+        if auto:
+            self.auto.candidates(self, msg)    # the policy or cut it names, checked
+        else:
+            self.modes[mode].validate(self, msg)   # its own fields (cut, policy): before admission
         if len(self.requests) >= self.cfg.max_sessions:
             raise ProtocolError(protocol.BUSY, f"{len(self.requests)} requests in flight")
+        ids = self.prompt_ids(msg)
+        choice = partner = None
+        if auto:   # admitted as the mode chosen for it
+            msg, choice, partner = self.auto.admit(self, msg)
+            mode = msg.mode
         policy = self.modes[mode].policy(self, msg)
-        req = Request(self, ident, msg, self.prompt_ids(msg), mode, policy)
+        req = Request(self, ident, msg, ids, mode, policy)
+        req.choice, req.switch_to = choice, partner
         req.client = security.client_id(ident, frames, msg.client, self.delegates)
         req.quota = len(req.prompt_ids) + msg.max_tokens
         self.quota.admit(req.client, req.quota)       # per-client limits: busy / too_large
@@ -157,7 +172,8 @@ class Dispatcher(Service):
         labels = (self.name, req.mode, req.policy)
         outcome = "ok"
         reply = None  # the request's last message: Done, or (code, message) for an Error
-        runner = asyncio.ensure_future(self.modes[req.mode].run(req))
+        runner = asyncio.ensure_future(self.auto.run(req) if req.switch_to is not None
+                                       else self.modes[req.mode].run(req))
         cancel = asyncio.ensure_future(req.cancelled.wait())
         try:
             done, _ = await asyncio.wait([runner, cancel], timeout=req.remaining(),
@@ -203,6 +219,10 @@ class Dispatcher(Service):
                 total = time.monotonic() - req.start
                 metrics.E2E.labels(*labels).observe(total)
                 metrics.TPT.labels(*labels).observe(total / len(req.tokens))
+                try:   # every mode's figures teach auto; a figure it cannot use ends nothing
+                    self.auto.observe(self, reply.stats)
+                except (KeyError, TypeError, ValueError):
+                    self.log.exception("auto: request %s taught nothing", req.sid)
 
     async def need(self, peer, req: Request) -> None:
         """Wait (bounded by the request's deadline) for a peer to be up."""

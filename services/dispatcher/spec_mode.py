@@ -212,7 +212,17 @@ class Spec:
 
 
 class SpecRun:
-    def __init__(self, req, policy, edge: Edge):
+    """One speculative session. Under mode "auto" it may be one stretch of a request that
+    switches to and from cloud-only: it starts from the stream's current end (`adopt`: the
+    (peer, sid) of the verifier session whose KV cache it takes over, protocol ADOPT) and stops
+    when `req.switch_due()` says so, leaving its verifier session open for the next stretch
+    (`handover`), and its drafter session too (`drafter_handover`: (sid, synced, epoch), its
+    first `synced` tokens being committed ones). Given such a drafter session (`drafter`), it
+    rolls it back to those tokens and appends the ones committed since: the drafter catches up
+    on them alone instead of opening on the whole stream."""
+
+    def __init__(self, req, policy, edge: Edge, tag: str = "", adopt: tuple | None = None,
+                 drafter: tuple | None = None):
         self.req = req
         self.d = req.d
         self.cfg = req.d.cfg
@@ -231,9 +241,16 @@ class SpecRun:
         self.bo_tasks: set[asyncio.Task] = set()
         self.sm: SpecRounds | None = None
         # the verifier session: replica, id and inbox tag change when it is replayed
-        self.rec = recovery.Recovery(req, req.d.verifiers, "verifier")
+        self.rec = recovery.Recovery(req, req.d.verifiers, "verifier", tag=tag,
+                                     peer=adopt[0] if adopt else None)
         self.vpeer = None
-        self.vsid = req.sid
+        self.vsid = self.rec.sid
+        self.dsid = drafter[0] if drafter else req.sid + tag   # the drafter session
+        self.resume_drafter = drafter
+        self.drafter_handover: tuple | None = None
+        self.adopt = adopt
+        self.base = len(req.tokens)        # tokens streamed before this session
+        self.handover: tuple | None = None  # (peer, sid) left open for the next stretch
         self.vsrc = "v"
         self.last_v = 0.0   # last sign of life of the verifier session (or the last NAV sent)
         self.nav_at: dict[int, float] = {}     # tree rounds: when each round's NAV went out
@@ -301,7 +318,8 @@ class SpecRun:
             trigger.set_reference(await self._reference())
             req.stats["oracle_reference_s"] = time.monotonic() - t
             req.start = time.monotonic()   # its reference generation is not counted in its TPT
-        self.sm = SpecRounds(len(req.prompt_ids), req.max_tokens, self.policy, trigger,
+        self.sm = SpecRounds(len(req.prompt_ids) + self.base, req.max_tokens - self.base,
+                             self.policy, trigger,
                              BatchPlanner(), self.edge.window(self.policy.name), self._params,
                              self.cfg.spec.lookahead, MetricHooks(self.policy.name, self.edge),
                              depth=self.cfg.spec.proactive_depth)
@@ -310,7 +328,8 @@ class SpecRun:
     async def _run(self) -> None:
         req, d = self.req, self.d
         if self.policy.tree:
-            self.sm = TreeRounds(len(req.prompt_ids), req.max_tokens, self.policy,
+            self.sm = TreeRounds(len(req.prompt_ids) + self.base, req.max_tokens - self.base,
+                                 self.policy,
                                  self.edge.tree(self.policy.name), self._tree_shape,
                                  MetricHooks(self.policy.name, self.edge),
                                  proactive=self.cfg.spec.tree_proactive,
@@ -320,24 +339,36 @@ class SpecRun:
                                  if self.cfg.spec.tree_proactive_trigger else None)
         self.vch = self.vpeer.channel()
         self._reader(self.vch, self.vsrc)
-        await self.vch.send(protocol.SpecOpen(sid=self.vsid, seq=OPEN_SEQ, token_ids=req.prompt_ids,
+        committed = self.rec.committed()
+        # the cache to adopt, unless its replica went down and the session opens elsewhere
+        adopt = self.adopt[1] if self.adopt and self.vpeer is self.adopt[0] else ""
+        await self.vch.send(protocol.SpecOpen(sid=self.vsid, seq=OPEN_SEQ, token_ids=committed,
                                               sampling=req.sampling, stream=self.policy.stream,
-                                              logprobs=req.msg.logprobs))
+                                              logprobs=req.msg.logprobs, adopt=adopt))
         # One token wanted: it is the target's own (the last wanted position always is), so no
         # draft could be used and the drafter's prefill would be wasted edge work. It is opened
         # anyway when the request may have to go on from the drafter alone (allow_edge_only).
-        wants_drafter = req.max_tokens > 1 or req.msg.allow_edge_only
+        wants_drafter = req.max_tokens - self.base > 1 or req.msg.allow_edge_only
         if wants_drafter:
             # a drafter seen before and down now is not waited for: the target goes on alone
             wait = 0.0 if d.drafter.last_seen else min(self.cfg.peer_wait_s, req.remaining())
             self.drafter_alive = d.drafter.up or await d.drafter.wait_up(wait)
+        if self.resume_drafter:   # its rollback's epoch must pass the session's last one
+            self.sm.epoch = self.resume_drafter[2] + 1
         actions = self.sm.start()
-        if self.drafter_alive:
+        if self.drafter_alive and self.resume_drafter:
+            self.dch = d.drafter.channel()
+            self._reader(self.dch, "d")
+            synced = self.resume_drafter[1]
+            await self.dch.send(protocol.DraftRollback(
+                sid=self.dsid, seq=self.sm.epoch, keep=synced, append=committed[synced:],
+                until=self.sm.until))
+        elif self.drafter_alive:
             self.dch = d.drafter.channel()
             self._reader(self.dch, "d")
             await self.dch.send(protocol.DraftOpen(
-                sid=req.sid, seq=OPEN_SEQ, token_ids=req.prompt_ids, sampling=req.sampling,
-                top_k=self.cfg.spec.q_width, max_tokens=req.max_tokens,
+                sid=self.dsid, seq=OPEN_SEQ, token_ids=committed, sampling=req.sampling,
+                top_k=self.cfg.spec.q_width, max_tokens=req.max_tokens - self.base,
                 tree_nodes=self._tree_nodes() if self.policy.tree else 0,
                 features=self.policy.trigger == "pipesd-learned"))
         elif wants_drafter:
@@ -347,7 +378,7 @@ class SpecRun:
             actions += self.sm.drafter_lost()
         self.last_v = time.monotonic()
         await self.act(actions)
-        while not req.done:
+        while not req.done and self.handover is None:
             try:
                 async with asyncio.timeout(self.cfg.stall_s / 4):
                     src, msg, frames = await self.inbox.get()
@@ -495,7 +526,7 @@ class SpecRun:
                         self.req.sid, msg.code, msg.message)
             self.drafter_alive = False
             self.req.stats["drafter_lost"] = True
-            self.d.spawn(self.d.close_remote(self.d.drafter, self.req.sid))
+            self.d.spawn(self.d.close_remote(self.d.drafter, self.dsid))
             if self.edge_only:
                 raise PeerError(protocol.UNAVAILABLE, "verifier and drafter are both gone")
             await self.act(self.sm.drafter_lost())
@@ -554,6 +585,14 @@ class SpecRun:
                 await req.emit(a.tokens, logprobs=a.logprobs)
                 self.rec.progress()
                 self._bo(len(a.tokens))
+                if not self.edge_only and req.switch_due():
+                    self.handover = (self.vpeer, self.vsid)
+                    if self.dch is not None and self.drafter_alive and not self.policy.tree:
+                        # the round just resolved started at the committed end before it: the
+                        # drafter's context holds exactly the committed tokens up to there
+                        synced = self.sm.C - len(a.tokens)
+                        self.drafter_handover = (self.dsid, synced, self.sm.epoch)
+                    return
             elif isinstance(a, SendBatch):
                 await self._send_batch(a)
             elif isinstance(a, SendNav):
@@ -566,17 +605,17 @@ class SpecRun:
                                                            nodes=a.nodes))
             elif isinstance(a, Rollback):
                 if self.drafter_alive:
-                    await self.dch.send(protocol.DraftRollback(sid=req.sid, seq=a.epoch,
+                    await self.dch.send(protocol.DraftRollback(sid=self.dsid, seq=a.epoch,
                                                                keep=a.keep, append=a.append,
                                                                until=a.until, path=a.path))
             elif isinstance(a, AskTree):
                 self.ask_at[a.round] = time.monotonic()
                 if self.drafter_alive:
-                    await self.dch.send(protocol.DraftRequest(sid=req.sid, seq=a.epoch,
+                    await self.dch.send(protocol.DraftRequest(sid=self.dsid, seq=a.epoch,
                                                               tree=a.request, until=a.until))
             elif isinstance(a, Limit):
                 if self.drafter_alive:
-                    await self.dch.send(protocol.DraftRequest(sid=req.sid, seq=self.sm.epoch,
+                    await self.dch.send(protocol.DraftRequest(sid=self.dsid, seq=self.sm.epoch,
                                                               until=a.until))
 
     async def _send_batch(self, b: SendBatch) -> None:
@@ -644,7 +683,7 @@ class SpecRun:
             await self.act(sm.edge_only())
             return
         final = len(self.req.prompt_ids) + self.req.max_tokens
-        await self.dch.send(protocol.DraftRequest(sid=self.req.sid, seq=sm.epoch, until=final))
+        await self.dch.send(protocol.DraftRequest(sid=self.dsid, seq=sm.epoch, until=final))
 
     async def emit_degraded(self, msg: protocol.DraftTokens) -> None:
         skip = self.next_degraded - msg.start
@@ -699,10 +738,10 @@ class SpecRun:
         for ch in (self.vch, self.dch):
             if ch is not None:
                 ch.close()
-        d, sid = self.d, self.req.sid
-        if self.vch is not None and not self.edge_only:
+        d, sid = self.d, self.dsid
+        if self.vch is not None and not self.edge_only and self.handover is None:
             d.spawn(d.close_remote(self.vpeer, self.vsid))
-        if self.dch is not None and self.drafter_alive:
+        if self.dch is not None and self.drafter_alive and self.drafter_handover is None:
             d.spawn(d.close_remote(d.drafter, sid))
         self.rec.finish()
         if self.sm is not None:
@@ -710,7 +749,7 @@ class SpecRun:
 
     def _stats(self) -> None:
         st, sm, req = self.sm.stats, self.sm, self.req
-        n = len(req.tokens)
+        n = len(req.tokens) - self.base   # this session's tokens
         planner = sm.planner
         req.stats.update({
             "rounds": st.rounds,

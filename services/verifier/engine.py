@@ -32,6 +32,17 @@ class EngineSession(Session):
     def __init__(self, sid: str, ident: bytes, rid: int, seq: int, kv):
         super().__init__(sid, ident, rid, seq)
         self.kv = kv
+        # the cache came from another session (protocol ADOPT): a forward of that session may
+        # still be appending to it, so what it holds is settled in the engine loop, between
+        # forwards, by the first next_work (take_over)
+        self.adopting = False
+
+    def take_over(self, most: int) -> int:
+        """Keep at most `most` of the adopted cache's tokens; returns how many were kept."""
+        n = min(self.kv.length(), max(0, most))
+        self.kv.truncate(n)
+        self.adopting = False
+        return n
 
     def next_work(self, budget: int) -> Work | None:
         raise NotImplementedError
@@ -64,6 +75,8 @@ class CloudSession(EngineSession):
         return bool(self.pending) and not self.generated
 
     def next_work(self, budget: int) -> Work | None:
+        if self.adopting:   # the last token is fed again: its logits give the next one
+            del self.pending[:self.take_over(len(self.pending) - 1)]
         if not self.pending or self.closed:
             return None
         take = self.pending[:budget]

@@ -81,10 +81,27 @@ class Verifier(Service):
         old.ident, old.rid = ident, msg.rid
         return old
 
+    def adopted_kv(self, ident: bytes, msg: protocol.CloudGenerate | protocol.SpecOpen):
+        """The KV cache a new session starts with: a fresh one, or the one of the session it
+        adopts (protocol ADOPT), which ends here."""
+        if not msg.adopt:
+            return self.runner.new_kv()
+        old = self.sessions.get(msg.adopt)
+        if not isinstance(old, EngineSession) or old.ident != ident or old.closed:
+            raise ProtocolError(protocol.UNKNOWN_SESSION, f"adopt: no session {msg.adopt!r} of "
+                                                          f"this client", field="adopt")
+        if len(msg.token_ids) < 2:
+            raise ProtocolError(protocol.BAD_FIELD, "adopt: token_ids needs two tokens at least",
+                                field="token_ids")
+        self.sessions.pop(msg.adopt)
+        return old.kv
+
     async def on_cloud_generate(self, ident: bytes, msg: protocol.CloudGenerate, frames) -> None:
         if self.retried_open(ident, msg, CloudSession) is not None:
             return   # the stream goes on, to whoever asked last
-        self.add(CloudSession(msg.sid, ident, msg.rid, msg.seq, self.runner.new_kv(), msg))
+        s = CloudSession(msg.sid, ident, msg.rid, msg.seq, self.adopted_kv(ident, msg), msg)
+        s.adopting = bool(msg.adopt)
+        self.add(s)
 
     async def on_spec_open(self, ident: bytes, msg: protocol.SpecOpen, frames) -> None:
         old = self.retried_open(ident, msg, SpecSession)
@@ -93,11 +110,12 @@ class Verifier(Service):
                 await self.send(ident, protocol.Ack(sid=msg.sid, seq=msg.seq, rid=msg.rid))
             return
         protocol.check_sampling(msg.sampling, self.vocab_size)
-        s = SpecSession(msg.sid, ident, msg.rid, msg.seq, self.runner.new_kv(),
+        s = SpecSession(msg.sid, ident, msg.rid, msg.seq, self.adopted_kv(ident, msg),
                         list(msg.token_ids), msg.sampling, msg.stream and self.cfg.stream_verify,
                         self.vocab_size, self.limits.max_tokens,
                         max_tree_nodes=self.cfg.max_tree_nodes, max_tree_depth=self.cfg.max_tree_depth,
                         logprobs=msg.logprobs)
+        s.adopting = bool(msg.adopt)
         self.add(s)
         if s.prefilled:   # a one-token prompt: nothing to prefill
             await self.send(ident, protocol.Ack(sid=msg.sid, seq=msg.seq, rid=msg.rid))

@@ -127,6 +127,8 @@ class SpecSession(EngineSession):
     def next_work(self, budget: int) -> Work | None:
         if self.closed:
             return None
+        if self.adopting:   # one token at least is prefilled: its forward sends the open's Ack
+            del self.prefill[:self.take_over(self.C - 2)]
         if self.prefill:
             take = self.prefill[:budget]
             self.inflight = True

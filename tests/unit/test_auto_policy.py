@@ -1,0 +1,155 @@
+"""The auto chooser's rules (services/dispatcher/auto_policy.py), without processes: cold start,
+exploration, the latency and SLO objectives, and its speculative cost model's terms."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.dispatcher import auto_policy as ap
+from services.dispatcher.auto_policy import CLOUD_ONLY, Candidate, Estimates, Link
+from services.dispatcher.config import AutoConfig
+from services.dispatcher.dp_batching import plan_batches_with_time
+
+PIPESD = Candidate("spec", policy="pipesd")
+SPLIT4 = Candidate("split", cut=4)
+LINK = Link(rtt_s=0.004, alpha_s=0.001, beta_s=0.0001, gamma_s=0.012)
+
+
+def measured(t_dec=0.05, spec_tpt=None, acceptance=0.7, draft_len=6.0, fpt=0.3) -> Estimates:
+    """Estimates with cloud-only timed at t_dec and pipesd measured at spec_tpt per token."""
+    e = Estimates()
+    e.observe_cloud(t_dec)
+    if spec_tpt is not None:
+        e.observe_spec("pipesd", LINK, acceptance=acceptance, draft_len=draft_len,
+                       forwards_per_token=fpt, decode_s_per_token=spec_tpt, proactive=True)
+    return e
+
+
+def test_cold_start_chooses_cloud_only_with_nothing_predicted():
+    c = ap.choose([CLOUD_ONLY, PIPESD, SPLIT4], Estimates(), LINK, slo_s=0.5)
+    assert (c.candidate, c.reason, c.predictions) == (CLOUD_ONLY, ap.COLD_START, ())
+
+
+def test_explore_tries_an_unmeasured_spec_policy_once_then_predicts_it():
+    e = measured()
+    c = ap.choose([CLOUD_ONLY, PIPESD, SPLIT4], e, LINK, explore=True)
+    assert (c.candidate, c.reason) == (PIPESD, ap.EXPLORE)
+    e = measured(spec_tpt=0.08)
+    assert ap.choose([CLOUD_ONLY, PIPESD], e, LINK).candidate == CLOUD_ONLY
+
+
+def test_explore_remeasures_the_candidate_measured_longest_ago():
+    e = measured(t_dec=0.05, spec_tpt=0.03)          # spec measured last, and fastest
+    for _ in range(3):
+        e.observe_spec("pipesd", LINK, acceptance=0.7, draft_len=6.0, forwards_per_token=0.3,
+                       decode_s_per_token=0.03, proactive=True)
+    assert ap.choose([CLOUD_ONLY, PIPESD], e, LINK).candidate == PIPESD
+    c = ap.choose([CLOUD_ONLY, PIPESD, SPLIT4], e, LINK, explore=True)
+    assert (c.candidate, c.reason) == (CLOUD_ONLY, ap.EXPLORE)
+    e.observe_cloud(0.05)
+    assert ap.choose([CLOUD_ONLY, PIPESD], e, LINK, explore=True).candidate == PIPESD
+
+
+def test_split_is_never_explored_nor_predicted_unmeasured():
+    e = measured()
+    assert ap.choose([CLOUD_ONLY, SPLIT4], e, LINK, explore=True).candidate == CLOUD_ONLY
+    assert ap.predict(SPLIT4, e, LINK) is None
+
+
+def test_no_target_chooses_the_least_predicted_time_per_token():
+    slow_spec = measured(t_dec=0.05, spec_tpt=0.08)
+    c = ap.choose([CLOUD_ONLY, PIPESD], slow_spec, LINK)
+    assert (c.candidate, c.reason) == (CLOUD_ONLY, ap.FASTEST)
+    assert {str(p.candidate) for p in c.predictions} == {"cloud-only", "spec/pipesd"}
+    fast_spec = measured(t_dec=0.05, spec_tpt=0.02)
+    assert ap.choose([CLOUD_ONLY, PIPESD], fast_spec, LINK).candidate == PIPESD
+
+
+def test_slo_chooses_the_least_cloud_work_that_meets_it():
+    e = measured(t_dec=0.05, spec_tpt=0.08, fpt=0.3)      # spec: slower, a third of the work
+    both = ap.choose([CLOUD_ONLY, PIPESD], e, LINK, slo_s=0.1)
+    assert (both.candidate, both.reason) == (PIPESD, ap.LEAST_CLOUD)
+    only_cloud = ap.choose([CLOUD_ONLY, PIPESD], e, LINK, slo_s=0.06)
+    assert (only_cloud.candidate, only_cloud.reason) == (CLOUD_ONLY, ap.LEAST_CLOUD)
+    none = ap.choose([CLOUD_ONLY, PIPESD], e, LINK, slo_s=0.01)
+    assert (none.candidate, none.reason) == (CLOUD_ONLY, ap.SLO_UNMET)
+
+
+def test_calibration_makes_the_prediction_match_what_was_measured_on_the_same_link():
+    e = measured(t_dec=0.05, spec_tpt=0.0731)
+    assert ap.predict(PIPESD, e, LINK).tpt_s == pytest.approx(0.0731)
+    assert ap.predict(PIPESD, e, LINK).cloud_s == pytest.approx(0.05 * 0.3)
+    # a slower link moves the prediction the way the model says, calibration kept
+    far = Link(rtt_s=0.2, alpha_s=LINK.alpha_s, beta_s=LINK.beta_s, gamma_s=LINK.gamma_s)
+    assert ap.predict(PIPESD, e, far).tpt_s > 0.0731
+
+
+def test_tokens_per_round_is_leviathans_expectation():
+    assert ap.tokens_per_round(0.0, 5) == 1.0
+    assert ap.tokens_per_round(1.0, 5) == 6.0
+    assert ap.tokens_per_round(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+
+
+def test_a_round_is_the_dp_pipeline_plus_round_trip_and_verify():
+    pipeline = plan_batches_with_time(6, LINK.gamma_s, LINK.alpha_s, LINK.beta_s)[1]
+    stalled = ap.spec_round_s(6, LINK, 0.05, proactive=False)
+    assert stalled == pytest.approx(pipeline + LINK.rtt_s + 0.05)
+    overlapped = ap.spec_round_s(6, LINK, 0.05, proactive=True)
+    assert 6 * LINK.gamma_s <= overlapped < stalled
+
+
+def test_split_is_predicted_from_its_forwards_and_the_round_trip():
+    e = measured(t_dec=0.05)
+    e.observe_split(4, edge_s=0.01, cloud_s=0.03)
+    p = ap.predict(SPLIT4, e, LINK)
+    assert (p.tpt_s, p.cloud_s) == (pytest.approx(0.01 + LINK.rtt_s + 0.03), 0.03)
+    assert ap.choose([CLOUD_ONLY, SPLIT4], e, LINK).candidate == SPLIT4
+
+
+def test_cloud_only_must_be_a_candidate():
+    with pytest.raises(ValueError, match="cloud-only"):
+        ap.choose([PIPESD], measured(), LINK)
+
+
+def test_auto_settings_refuse_unknown_policies_and_bad_cuts():
+    with pytest.raises(ValueError, match="auto_policies"):
+        AutoConfig(policies="pipesd,nope")
+    with pytest.raises(ValueError, match="auto_cuts"):
+        AutoConfig(cuts="4,x")
+
+
+def test_recheck_switches_only_for_a_gain_past_the_hysteresis():
+    e = measured(t_dec=0.05, spec_tpt=0.08)
+    assert ap.recheck(PIPESD, CLOUD_ONLY, 0.08, e, LINK, hysteresis=0.2) == \
+        ap.Switch(CLOUD_ONLY, ap.SWITCH_FASTER)
+    assert ap.recheck(PIPESD, CLOUD_ONLY, 0.06, e, LINK, hysteresis=0.2) == ap.STAY  # 17 %
+    assert ap.recheck(CLOUD_ONLY, PIPESD, 0.05, e, LINK) == ap.STAY
+    # this prompt drafts well: live spec beats cloud-only's prediction, so it stays
+    assert ap.recheck(PIPESD, CLOUD_ONLY, 0.03, e, LINK) == ap.STAY
+
+
+def test_recheck_under_a_target_meets_it_then_saves_cloud_work():
+    e = measured(t_dec=0.05, spec_tpt=0.08, fpt=0.3)
+    # cloud-only meets 0.1 and so would spec, with 30 % of the work: switch
+    assert ap.recheck(CLOUD_ONLY, PIPESD, 0.05, e, LINK, slo_s=0.1) == \
+        ap.Switch(PIPESD, ap.SWITCH_LESS_CLOUD)
+    # spec live misses 0.07, cloud-only meets it
+    assert ap.recheck(PIPESD, CLOUD_ONLY, 0.09, e, LINK, slo_s=0.07) == \
+        ap.Switch(CLOUD_ONLY, ap.SWITCH_MEET_SLO)
+    # spec meets the target with less work than cloud-only would: it stays
+    assert ap.recheck(PIPESD, CLOUD_ONLY, 0.08, e, LINK, slo_s=0.1) == ap.STAY
+
+
+def test_recheck_stays_when_the_other_mode_cannot_be_predicted():
+    assert ap.recheck(CLOUD_ONLY, PIPESD, 0.05, measured(), LINK) == ap.STAY
+
+
+def test_calibration_starts_with_the_first_spec_request_timed_after_cloud_only():
+    e = Estimates()
+    e.observe_spec("pipesd", LINK, acceptance=0.7, draft_len=6.0, forwards_per_token=0.3,
+                   decode_s_per_token=0.08, proactive=True)   # no t_dec yet: uncalibrated
+    assert e.spec["pipesd"].calibration is None
+    e.observe_cloud(0.05)
+    e.observe_spec("pipesd", LINK, acceptance=0.7, draft_len=6.0, forwards_per_token=0.3,
+                   decode_s_per_token=0.08, proactive=True)
+    assert ap.predict(PIPESD, e, LINK).tpt_s == pytest.approx(0.08)
