@@ -1,29 +1,29 @@
-"""Sampling end to end (DESIGN.md §5 invariant 3): seeded draws through the running
-services follow the distribution that *transformers* computes — its own forward pass and its own
-logits processors (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, in generate()'s
-order) — not the one common/sampling.py computes.
+"""Sampling end to end (DESIGN.md §5 invariant 3): seeded draws through the running services
+follow the distribution that *transformers* computes — its own forward pass and its own logits
+processors (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, in generate()'s order) —
+not the one common/sampling.py computes.
 
 For cloud-only, speculative (pipesd and the vanilla baseline) and split mode, at temperature 0.8
-with and without top-k / top-p (COMBOS), seeded requests:
-* position 0 of a prompt with a flat next-token distribution (17 tokens over 1 %), 1200 draws
-  (TANDEM_SAMPLING_FLAT_DRAWS), and
-* position 1 — in spec mode the first position a draft is verified at — of a prompt whose first
-  token is near-certain (" Celsius", 97-100 %), given that first token (8 tokens over 1 %), 2000
-  draws (TANDEM_SAMPLING_DRAWS).
-Power (tests/integration/sampling_power.py, simulated from transformers' own top-k 20 / top-p
-0.95 distributions, 300 runs each): at position 0 with 1200 draws, drawing with top-p off or
-top-k 10 is rejected in every run, temperature 0.7 instead of 0.8 in 86 % (100 % with 2000
-draws), 0.9 in 14 % (42 %); at position 1 with 2000 draws all four are rejected in every run.
-Position 0 draws fewer to save CI time; position 1, which every mode samples too, keeps the
-full power.
-A chi-square test over the tokens with an expected count of at least 5 (the rest pooled) must
-not reject at p < 1e-4; a token transformers gives probability 0 must never be drawn. Slow:
-minutes per mode.
+with and without top-k / top-p (COMBOS), DRAWS seeded 2-token requests on a prompt whose next
+token is spread (17 tokens over 1 %):
+* position 0 is tested with a chi-square. In spec mode it is the position the drafter drafts and
+  the verifier accepts or rejects (a request of n tokens drafts positions 0..n-2; the last is the
+  target's own token), so the draws go through rejection sampling's accept and residual paths:
+  the test asserts that every spec draw verified a draft and that some were rejected.
+* position 1, given the most common position-0 token: the decode step's sampling in cloud-only
+  and split, the token after a verification in spec (fewer draws: a weaker check).
+Power (tests/integration/sampling_power.py simulates the chi-square on transformers' own
+distributions): with 2000 draws at position 0, moving 5 % of the probability mass (total
+variation 0.05) from the most likely token to the 2nd is rejected in 91 % of runs, to the 10th in
+100 %; mixing 5 % of uniform mass over the top 20 into the top-k 20 / top-p 0.95 distribution in
+100 %; a temperature 0.85 instead of 0.8 (also TV 0.05, spread over every token) in only 26 %. A
+correct sampler is rejected in none of 200 runs at P_MIN = 1e-4. A token transformers gives
+probability 0 must never be drawn. Slow: about a minute per mode.
 
-Under the Gumbel coupling (`sampling_coupling="gumbel"`) a seed fixes the
-output whatever the mode: TANDEM_GUMBEL_DRAWS seeds (default 400) give token-for-token the same
-draws in cloud-only, spec (pipesd, vanilla) and split mode, and those draws pass the same
-chi-square against transformers."""
+Under the Gumbel coupling (`sampling_coupling="gumbel"`) a seed fixes the output whatever the
+mode: TANDEM_GUMBEL_DRAWS seeds (default 400) of the same 2-token requests give token-for-token
+the same draws in cloud-only, spec (pipesd, vanilla: position 0 drafted and verified) and split
+mode, and those draws pass the same chi-square against transformers."""
 
 from __future__ import annotations
 
@@ -41,10 +41,9 @@ from tandem import AsyncClient
 pytestmark = pytest.mark.slow
 
 DRAWS = int(os.environ.get("TANDEM_SAMPLING_DRAWS", "2000"))
-FLAT_DRAWS = int(os.environ.get("TANDEM_SAMPLING_FLAT_DRAWS", "1200"))
 GUMBEL_DRAWS = int(os.environ.get("TANDEM_GUMBEL_DRAWS", "400"))   # every mode draws the same
 FLAT_PROMPT = "My favourite fruit is"            # position 0: many likely tokens
-SURE_PROMPT = "Water boils at 100 degrees"       # position 0 near-certain, position 1 spread
+N_TOKENS = 2                                     # spec drafts position 0 and verifies it
 TEMPERATURE = 0.8
 CONFIGS = {"t0.8": {}, "t0.8-topk20-topp0.95": {"top_k": 20, "top_p": 0.95}}
 MODES = {"cloud-only": {"mode": "cloud-only"},
@@ -122,59 +121,54 @@ def chi_square(counts: Counter, probs: np.ndarray) -> tuple[float, str]:
     return float(res.pvalue), f"{len(obs)} bins, n = {n}, chi2 = {res.statistic:.1f}"
 
 
-async def draws(endpoint: str, ids: list[int], n_tokens: int, mode: dict,
-                config: dict, n_draws: int = DRAWS) -> list[list[int]]:
+async def draws(endpoint: str, ids: list[int], mode: dict, config: dict,
+                n_draws: int = DRAWS) -> list:
+    """`n_draws` seeded N_TOKENS-token requests: their Results."""
     async with AsyncClient(endpoint, timeout_s=600) as c:
         sem = asyncio.Semaphore(CONCURRENCY)
 
         async def one(seed):
             async with sem:
-                r = await c.complete(ids, max_tokens=n_tokens, stop_at_eos=False,
-                                     temperature=TEMPERATURE, seed=seed, **config, **mode)
-                return list(r.token_ids)
+                return await c.complete(ids, max_tokens=N_TOKENS, stop_at_eos=False,
+                                        temperature=TEMPERATURE, seed=seed, **config, **mode)
         return await asyncio.gather(*[one(s) for s in range(n_draws)])
+
+
+def check_positions(hf_model, ids: list[int], out: list[list[int]], kw: dict) -> tuple[str, str]:
+    """Chi-square of position 0, and of position 1 given the most common position-0 token."""
+    p0, what0 = chi_square(Counter(o[0] for o in out), transformers_probs(hf_model, ids, **kw))
+    t0, _ = Counter(o[0] for o in out).most_common(1)[0]
+    second = Counter(o[1] for o in out if o[0] == t0)
+    p1, what1 = chi_square(second, transformers_probs(hf_model, ids + [t0], **kw))
+    assert p0 >= P_MIN, f"position 0: {what0}, p = {p0:.3g}"
+    assert p1 >= P_MIN, f"position 1 given {t0}: {what1}, p = {p1:.3g}"
+    return f"p = {p0:.3g} ({what0})", f"p = {p1:.3g} ({what1})"
 
 
 @pytest.mark.parametrize(("mode", "config"), COMBOS, ids=[f"{m}-{c}" for m, c in COMBOS])
 def test_draws_follow_transformers(cluster, tokenizer, hf_model, mode, config):
     kw = {"top_k": CONFIGS[config].get("top_k", 0), "top_p": CONFIGS[config].get("top_p", 1.0)}
-    endpoint = cluster.endpoint("dispatcher")
     flat = tokenizer.encode(FLAT_PROMPT)
-    out = asyncio.run(draws(endpoint, flat, 1, MODES[mode], CONFIGS[config], FLAT_DRAWS))
-    assert all(len(o) == 1 for o in out)
-    p0, what0 = chi_square(Counter(o[0] for o in out), transformers_probs(hf_model, flat, **kw))
-    sure = tokenizer.encode(SURE_PROMPT)
-    out = asyncio.run(draws(endpoint, sure, 2, MODES[mode], CONFIGS[config]))
-    assert all(len(o) == 2 for o in out)
-    t0, n0 = Counter(o[0] for o in out).most_common(1)[0]
-    second = Counter(o[1] for o in out if o[0] == t0)
-    p1, what1 = chi_square(second, transformers_probs(hf_model, sure + [t0], **kw))
-    print(f"{mode} {config}: position 0 p = {p0:.3g} ({what0}); position 1 given "
-          f"{tokenizer.decode([t0])!r} p = {p1:.3g} ({what1})")
-    assert p0 >= P_MIN, f"position 0: {what0}, p = {p0:.3g}"
-    assert n0 >= 0.9 * DRAWS, f"the first token {t0} came {n0} times of {DRAWS}"
-    assert p1 >= P_MIN, f"position 1: {what1}, p = {p1:.3g}"
+    results = asyncio.run(draws(cluster.endpoint("dispatcher"), flat, MODES[mode], CONFIGS[config]))
+    out = [list(r.token_ids) for r in results]
+    assert all(len(o) == N_TOKENS for o in out)
+    if MODES[mode]["mode"] == "spec":   # position 0 was drafted and verified in every draw
+        assert all(r.stats["draft_tokens"] >= 1 for r in results)
+        rejected = sum(r.stats["accepted_tokens"] < r.stats["draft_tokens"] for r in results)
+        assert 0 < rejected < len(results), f"{rejected} of {len(results)} drafts rejected"
+    what0, what1 = check_positions(hf_model, flat, out, kw)
+    print(f"{mode} {config}: position 0 {what0}; position 1 {what1}")
 
 
 def test_gumbel_draws_are_one_per_seed_in_every_mode_and_follow_transformers(cluster, tokenizer,
                                                                               hf_model):
     endpoint = cluster.endpoint("dispatcher")
     gumbel = {"sampling_coupling": "gumbel", "top_k": 20, "top_p": 0.95}
-    kw = {"top_k": 20, "top_p": 0.95}
     modes = ("cloud-only", "spec-pipesd", "spec-vanilla", "split")
-    flat, sure = tokenizer.encode(FLAT_PROMPT), tokenizer.encode(SURE_PROMPT)
-    out0 = {m: asyncio.run(draws(endpoint, flat, 1, MODES[m], gumbel, GUMBEL_DRAWS))
-            for m in modes}
-    out1 = {m: asyncio.run(draws(endpoint, sure, 2, MODES[m], gumbel, GUMBEL_DRAWS))
-            for m in modes}
+    flat = tokenizer.encode(FLAT_PROMPT)
+    out = {m: [list(r.token_ids) for r in
+               asyncio.run(draws(endpoint, flat, MODES[m], gumbel, GUMBEL_DRAWS))] for m in modes}
     for m in modes:   # seed for seed, the same tokens
-        assert out0[m] == out0["cloud-only"], f"{m} differs from cloud-only at position 0"
-        assert out1[m] == out1["cloud-only"], f"{m} differs from cloud-only at position 1"
-    p0, what0 = chi_square(Counter(o[0] for o in out0["cloud-only"]),
-                           transformers_probs(hf_model, flat, **kw))
-    t0, _ = Counter(o[0] for o in out1["cloud-only"]).most_common(1)[0]
-    second = Counter(o[1] for o in out1["cloud-only"] if o[0] == t0)
-    p1, what1 = chi_square(second, transformers_probs(hf_model, sure + [t0], **kw))
-    print(f"gumbel: position 0 p = {p0:.3g} ({what0}); position 1 p = {p1:.3g} ({what1})")
-    assert p0 >= P_MIN, f"position 0: {what0}, p = {p0:.3g}"
-    assert p1 >= P_MIN, f"position 1: {what1}, p = {p1:.3g}"
+        assert out[m] == out["cloud-only"], f"{m} differs from cloud-only"
+    what0, what1 = check_positions(hf_model, flat, out["cloud-only"], {"top_k": 20, "top_p": 0.95})
+    print(f"gumbel: position 0 {what0}; position 1 {what1}")
