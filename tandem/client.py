@@ -270,7 +270,12 @@ class AsyncClient:
 
     async def _read(self, sock: zmq.asyncio.Socket) -> None:
         while True:
-            frames = await sock.recv_multipart()
+            try:
+                frames = await sock.recv_multipart()
+            except zmq.ZMQError:
+                if sock.closed:   # replaced after a lost dispatcher (_lose): a new reader reads
+                    return
+                raise
             try:
                 msg = protocol.decode(frames, self.limits)
             except protocol.ProtocolError:
@@ -531,6 +536,10 @@ class Stream:
     @property
     def attempts(self) -> int:
         return self._astream.attempts
+
+    @property
+    def resumes(self) -> int:
+        return self._astream.resumes
 
     def __iter__(self) -> "Stream":
         return self

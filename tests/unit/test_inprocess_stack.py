@@ -270,12 +270,16 @@ def _stop_dispatcher_mid_stream(stack, prompt_ids, **kw):
     return stack.call(go)
 
 
-@pytest.mark.parametrize("mode,kw", [("cloud-only", {}), ("spec", {"policy": "pipesd"}),
-                                     ("cloud-only", {"temperature": 0.8, "seed": 7})])
+@pytest.mark.parametrize("mode,kw", [
+    ("spec", {"policy": "pipesd"}),
+    ("cloud-only", {"temperature": 0.8, "seed": 7, "sampling_coupling": "rejection"}),
+    ("spec", {"policy": "pipesd", "temperature": 0.8, "seed": 7, "sampling_coupling": "gumbel"})])
 def test_a_dispatcher_stopped_mid_stream_is_resumed_exactly(stack, ids, reference, mode, kw):
     """The SDK notices the lost dispatcher (silence, then another run answers), re-submits the
     request with the tokens it holds, and the stream goes on: no duplicate, no gap, the output
-    is transformers' (greedy) or the uninterrupted run's (seeded sampling)."""
+    is transformers' (greedy) or the uninterrupted run's (seeded sampling: the continuation's
+    draws are keyed by the same absolute positions). Cloud-only greedy across a kill -9 of the
+    dispatcher process: tests/integration/test_resume_process.py."""
     if "seed" in kw:
         want = stack.complete(list(ids[1]), max_tokens=RESUME_N, stop_at_eos=False,
                               deadline_s=120, mode=mode, **kw).token_ids
