@@ -204,7 +204,9 @@ class AsyncClient:
     request refused with busy / unavailable before its first token is sent again (per call:
     `generate(..., max_retries=n)`). `heartbeat_s`, `link_timeout_s`: the dispatcher is pinged
     this often, and lost after this long without an answer (or at once when another run of it
-    answers); `max_resumes`: times one request is resumed after a lost dispatcher."""
+    answers); `max_resumes`: times one request is resumed after a lost dispatcher. `endpoint`
+    may list several dispatchers, comma-separated: one is used at a time, and a silent one
+    hands the client, and the requests it resumes, to the next."""
 
     def __init__(self, endpoint: str = DEFAULT_ENDPOINT, timeout_s: float = 300.0,
                  limits: protocol.Limits | None = None, *, curve_server_key=None,
@@ -214,7 +216,12 @@ class AsyncClient:
                  heartbeat_s: float = link.DEFAULT_HEARTBEAT_S,
                  link_timeout_s: float = link.DEFAULT_TIMEOUT_S,
                  max_resumes: int = link.DEFAULT_MAX_RESUMES):
-        self.endpoint = endpoint
+        # "tcp://a:5550,tcp://b:5550": dispatchers to use one at a time; a silent one hands
+        # the client (and its requests in flight, resumed) to the next
+        self.endpoints = [e.strip() for e in endpoint.split(",") if e.strip()]
+        if not self.endpoints:
+            raise ValueError(f"no dispatcher endpoint in {endpoint!r}")
+        self.endpoint = self.endpoints[0]   # the one in use
         self.timeout_s = timeout_s       # default deadline of a request
         self.connect_timeout_s = connect_timeout_s   # no dispatcher connected by then: Unavailable
         self.max_retries = _check_retries(max_retries)
@@ -298,15 +305,18 @@ class AsyncClient:
     def _heard(self, pong: protocol.Pong) -> None:
         assert self._ready is not None
         if self.link.heard(pong.instance, pong.ready, time.monotonic()):
-            self._lose(f"the dispatcher at {self.endpoint} restarted")
+            self._lose(f"the dispatcher at {self.endpoint} restarted", move=False)
         if pong.ready:
             self._ready.set()
+        else:   # starting (a restarted run loads its tokenizer) or draining: resume later
+            self._ready.clear()
 
-    def _lose(self, why: str) -> None:
+    def _lose(self, why: str, move: bool = True) -> None:
         """Every request in flight is cut off: each attempt raises DispatcherLost. The socket
         starts afresh (an inproc:// peer that went away is never reconnected to, and nothing
         the lost run queued can arrive late); a dispatcher that was only silent is told to cancel
-        them on the old one first."""
+        them on the old one first. `move`: go on with the next listed dispatcher (a restarted one
+        is back already: stay)."""
         assert self._ready is not None and self._reader is not None
         self._ready.clear()
         for rid, q in self._queues.items():
@@ -317,6 +327,11 @@ class AsyncClient:
             sent.add_done_callback(lambda f: f.cancelled() or f.exception())   # refusal: fine
         self._reader.cancel()
         self.sock.close(linger=CANCEL_LINGER_MS)
+        if move and len(self.endpoints) > 1:
+            self.endpoint = self.endpoints[(self.endpoints.index(self.endpoint) + 1)
+                                           % len(self.endpoints)]
+            # another dispatcher: its silence counts from now (one that is down too hands on)
+            self.link = link.LinkState(self.link.timeout_s, last_heard=time.monotonic())
         self.sock = self._connect()
         self._reader = asyncio.get_running_loop().create_task(self._read(self.sock))
 

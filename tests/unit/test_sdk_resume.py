@@ -142,6 +142,17 @@ def test_a_silent_dispatcher_is_lost_and_the_stream_resumes_when_it_answers():
     asyncio.run(main())
 
 
+def test_a_silent_dispatcher_hands_the_stream_to_the_next_listed_one():
+    async def main():
+        async with RestartingDispatcher() as a, RestartingDispatcher() as b, \
+                AsyncClient(f"{a.endpoint},{b.endpoint}", **FAST) as c:
+            stream, got = await stream_until(c, 3, lambda: setattr(a, "mute", True))
+            assert stream.result.token_ids == [100 + i for i in range(8)]
+            assert stream.resumes == 1 and c.endpoint == b.endpoint
+            assert len(a.requests) == 1 and b.requests[0].resume_ids == [100, 101, 102]
+    asyncio.run(main())
+
+
 def test_no_resume_budget_ends_the_stream_unavailable_at_once():
     async def main():
         async with RestartingDispatcher() as d, \
