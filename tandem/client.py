@@ -404,7 +404,7 @@ class AsyncClient:
             client=a["end_client"],
             policy_knobs=None if a["policy_knobs"] is None else {
                 str(k): float(v) for k, v in a["policy_knobs"].items()},
-            resume_ids=resume_ids or None)
+            resume_ids=None if resume_ids is None else list(resume_ids))
         try:   # the wire's own rules, before anything leaves: NaN, inf, out-of-range values
             protocol.check(msg)
         except protocol.ProtocolError as e:
@@ -426,7 +426,8 @@ class AsyncClient:
         resume_s: list[float] = []
         while True:
             msg = self._request(args, deadline if stream.attempts == 0 else
-                                max(end - time.monotonic(), 0.001), result.token_ids)
+                                max(end - time.monotonic(), 0.001),
+                                result.token_ids if stream.resumes else None)
             started = False
             stream.attempts += 1
             attempt = self._attempt(stream, msg, result)

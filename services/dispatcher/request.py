@@ -122,7 +122,7 @@ class Request:
                  "generated_tokens": n, "duration_s": end - self.start,
                  "ttft_s": (self.first_token_at - self.start) if n else None,
                  "tpt_s": (end - self.start) / n if n else None}
-        if self.resumed:
+        if self.msg.resume_ids is not None:
             stats["continued_from"] = self.resumed
         stats.update(self.stats)
         return stats

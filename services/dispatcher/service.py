@@ -167,7 +167,7 @@ class Dispatcher(Service):
         resumed = self.resume_ids(msg, len(prompt))
         req = Request(self, ident, msg, prompt + resumed, mode, policy, resumed=len(resumed))
         req.client = security.client_id(ident, frames, msg.client, self.delegates)
-        req.quota = len(req.prompt_ids) + msg.max_tokens
+        req.quota = len(req.prompt_ids) + req.max_tokens   # a continuation's: the original's
         self.quota.admit(req.client, req.quota)       # per-client limits: busy / too_large
         self.requests[key] = req
         metrics.ACTIVE_SESSIONS.labels(self.name, mode).inc()

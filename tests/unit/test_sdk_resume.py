@@ -68,16 +68,17 @@ class RestartingDispatcher:
                 self.requests.append(msg)
                 held = list(msg.resume_ids or ())
                 start = len(held)
-                if not held:
+                if msg.resume_ids is None:
                     stop = self.first
                 else:   # the last held token again, then the rest
-                    await self.send(ident, protocol.TokenEvent(rid=msg.rid, index=start - 1,
-                                                               token_ids=[held[-1]], text="?"))
+                    if held:
+                        await self.send(ident, protocol.TokenEvent(
+                            rid=msg.rid, index=start - 1, token_ids=[held[-1]], text="?"))
                     stop = msg.max_tokens
                 for i in range(start, stop):
                     await self.send(ident, protocol.TokenEvent(rid=msg.rid, index=i,
                                                                token_ids=[100 + i], text=f"{i} "))
-                if held:
+                if msg.resume_ids is not None:
                     await self.send(ident, protocol.Done(
                         rid=msg.rid, finish_reason="length",
                         stats={"generated_tokens": stop - start, "continued_from": start}))
@@ -90,10 +91,15 @@ async def stream_until(c: AsyncClient, n: int, on_n, **kw):
     stream = c.generate("hi", max_tokens=8, temperature=0.7, seed=42, **kw)
 
     async def fault():
+        if n == 0:   # no token to wait for: the request is on the dispatcher once it is held
+            while not c._queues:
+                await asyncio.sleep(0.01)
         while c.link.last_heard is None:
             await asyncio.sleep(0.01)
         on_n()
     got, task = [], None
+    if n == 0:
+        task = asyncio.get_running_loop().create_task(fault())
     async for ch in stream:
         got.append((ch.index, ch.token_ids))
         if len(got) == n:
@@ -120,6 +126,15 @@ def test_a_restarted_dispatcher_resumes_the_stream_without_duplicate_or_gap():
             assert (cont.prompt, cont.sampling, cont.mode, cont.max_tokens) == \
                 (first.prompt, first.sampling, first.mode, first.max_tokens)
             assert cont.deadline_s < first.deadline_s and cont.rid != first.rid
+    asyncio.run(main())
+
+
+def test_a_request_lost_before_its_first_token_is_resumed_from_nothing():
+    async def main():
+        async with RestartingDispatcher(first=0) as d, AsyncClient(d.endpoint, **FAST) as c:
+            stream, got = await stream_until(c, 0, d.restart)
+            assert [i for i, _ in got] == list(range(8)) and stream.resumes == 1
+            assert d.requests[1].resume_ids == []   # a continuation, of no token
     asyncio.run(main())
 
 
