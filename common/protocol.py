@@ -200,8 +200,8 @@ class GenerateRequest(Msg, tag="generate"):
     resume_ids: list[TokenId] | None = None
     # ^ a continuation: the tokens this request already delivered (its dispatcher was lost
     #   mid-stream). The dispatcher continues after prompt + resume_ids at the same absolute
-    #   positions, so seeded sampling reproduces the uninterrupted run; max_tokens stays the
-    #   request's total and TokenEvent indices continue from len(resume_ids)
+    #   positions, so draws keyed by (seed, position) are the uninterrupted run's; max_tokens
+    #   stays the request's total and TokenEvent indices continue from len(resume_ids)
 
 
 class Cancel(Msg, tag="cancel"):
