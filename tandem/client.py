@@ -335,14 +335,22 @@ class AsyncClient:
         self.sock = self._connect()
         self._reader = asyncio.get_running_loop().create_task(self._read(self.sock))
 
+    async def _ping(self) -> None:
+        try:   # never waits: an unanswered ping is what the silence check counts
+            await self.sock.send_multipart(protocol.encode(protocol.Ping(
+                rid=HEARTBEAT_RID, t=time.monotonic())), flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
     async def _heartbeat(self) -> None:
         while True:
-            try:   # never waits: an unanswered ping is what the silence check counts
-                await self.sock.send_multipart(protocol.encode(protocol.Ping(
-                    rid=HEARTBEAT_RID, t=time.monotonic())), flags=zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
+            await self._ping()
             await asyncio.sleep(self.heartbeat_s)
+            if self.link.overdue(time.monotonic()):
+                # a loop held up (by a busy caller) sent no pings meanwhile: ask once more and
+                # give the answer a heartbeat before the silence counts
+                await self._ping()
+                await asyncio.sleep(self.heartbeat_s)
             if self.link.silent(time.monotonic()):
                 self._lose(f"the dispatcher at {self.endpoint} was silent for "
                            f"{self.link.timeout_s:g} s")

@@ -7,8 +7,8 @@ on it with it, when
 
 * a Pong comes from another run than the one before: it restarted, and the requests the old run
   held are gone (a supervised restart is often back before any silence is noticed), or
-* nothing has been heard for `timeout_s` after it had answered: it died, hangs, or the link is
-  cut. (A peer that never answers a ping is never declared lost: the request's deadline bounds
+* nothing has been heard for `timeout_s` after it had answered, and one more ping went
+  unanswered (tandem/client.py): it died, hangs, or the link is cut. (A peer that never answers a ping is never declared lost: the request's deadline bounds
   it.)
 
 A lost request is re-submitted as a continuation (GenerateRequest.resume_ids: the prompt plus the
@@ -42,11 +42,15 @@ class LinkState:
         self.last_heard, self.ready, self.silent_lost = now, ready, False
         return restarted
 
+    def overdue(self, now: float) -> bool:
+        """Nothing heard for timeout_s (a query: `silent` decides)."""
+        return self.last_heard is not None and now - self.last_heard > self.timeout_s
+
     def silent(self, now: float) -> bool:
         """True once per silence, when nothing has been heard for timeout_s."""
-        if self.last_heard is None or self.silent_lost:
+        if self.silent_lost:
             return False
-        if now - self.last_heard > self.timeout_s:
+        if self.overdue(now):
             self.silent_lost, self.ready = True, False
             return True
         return False

@@ -168,6 +168,27 @@ def test_a_silent_dispatcher_hands_the_stream_to_the_next_listed_one():
     asyncio.run(main())
 
 
+def test_a_client_loop_held_up_past_the_timeout_is_not_a_lost_dispatcher():
+    """A caller that holds the client's event loop (here for 1 s, link_timeout_s 0.4) leaves
+    the dispatcher's answers unread, not missing: no resume."""
+    async def main():
+        async with RestartingDispatcher() as d, AsyncClient(d.endpoint, **FAST) as c:
+            async def hold_then_restart():
+                time.sleep(1.0)                  # the whole loop held up
+                for _ in range(20):              # a few heartbeats after it
+                    await asyncio.sleep(0.05)
+                assert len(d.requests) == 1, "resumed after a held-up loop"
+                d.restart()
+            stream, got = await stream_until(
+                c, 3, lambda: tasks.append(asyncio.get_running_loop().create_task(
+                    hold_then_restart())))
+            await asyncio.gather(*tasks)
+            assert stream.resumes == 1   # the restart alone
+            tasks.clear()
+    tasks: list = []
+    asyncio.run(main())
+
+
 def test_no_resume_budget_ends_the_stream_unavailable_at_once():
     async def main():
         async with RestartingDispatcher() as d, \
@@ -194,7 +215,7 @@ def test_link_state_and_resume_refusal():
     assert not link.silent(100.0)                       # never heard: never declared lost
     assert not link.heard("a", True, 0.0)
     assert not link.heard("a", True, 0.5) and not link.silent(1.4)
-    assert link.silent(1.6) and not link.ready
+    assert link.overdue(1.6) and link.silent(1.6) and not link.ready
     assert not link.silent(5.0)                         # once per silence
     assert not link.heard("a", False, 6.0)              # the same run again: not a restart
     assert link.heard("b", True, 6.1)                   # another run: the old one's requests died
