@@ -8,8 +8,8 @@ on it with it, when
 * a Pong comes from another run than the one before: it restarted, and the requests the old run
   held are gone (a supervised restart is often back before any silence is noticed), or
 * nothing has been heard for `timeout_s` after it had answered, and one more ping went
-  unanswered (tandem/client.py): it died, hangs, or the link is cut. (A peer that never answers a ping is never declared lost: the request's deadline bounds
-  it.)
+  unanswered (tandem/client.py): it died, hangs, or the link is cut. (A peer that never
+  answers a ping is never declared lost: the request's deadline bounds it.)
 
 A lost request is re-submitted as a continuation (GenerateRequest.resume_ids: the prompt plus the
 tokens already delivered, at the same positions and seed), at most `max_resumes` times and
