@@ -376,6 +376,10 @@ class Gateway:
             # schedule (openai-python does, honouring Retry-After); retrying here as well would
             # multiply the attempts and hide the load from them
             max_retries=0,
+            # a dispatcher lost mid-stream (restarted by its supervisor): the stream pauses and
+            # continues from its tokens, the HTTP client sees no error (tandem/link.py)
+            heartbeat_s=self.cfg.dispatcher_heartbeat_s,
+            link_timeout_s=self.cfg.dispatcher_timeout_s, max_resumes=self.cfg.max_resumes,
             curve_server_key=self.cfg.curve_server_key or None,
             curve_client_key=self.cfg.curve_client_key or None)
         metrics.declare()
@@ -473,6 +477,8 @@ class Gateway:
             raise
         finally:
             await agen.aclose()
+            if agen.resumes:
+                metrics.RESUMES.labels(run.route, run.params.mode).inc(agen.resumes)
 
     # --- log-probabilities in OpenAI's shapes ---
     def token_str(self, token: int) -> str:

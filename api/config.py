@@ -27,6 +27,14 @@ class ApiConfig:
     default_max_tokens: int = setting(256, "max_tokens of a request that names none", ge=1)
     request_timeout_s: float = setting(300.0, "deadline of a request that names no deadline_s", gt=0)
     connect_timeout_s: float = setting(5.0, "no dispatcher connected by then: 503", gt=0)
+    dispatcher_heartbeat_s: float = setting(
+        1.0, "interval between pings to the dispatcher (its loss is noticed by them)", gt=0)
+    dispatcher_timeout_s: float = setting(
+        4.0, "the dispatcher silent this long is lost: streams in flight resume on its return",
+        gt=0)
+    max_resumes: int = setting(
+        3, "times one stream is resumed (continued from its tokens) after a lost dispatcher; "
+        "0 = a lost dispatcher ends it with 503", ge=0)
     max_body_bytes: int = setting(1024 * 1024, "larger request bodies are answered 413", ge=1)
     max_messages: int = setting(256, "chat messages per request", ge=1)
     max_prompt_tokens: int = setting(8192, "longest prompt (after the chat template), in tokens", ge=1)
@@ -55,3 +63,6 @@ class ApiConfig:
 
     def __post_init__(self) -> None:
         check(self)   # ranges and choices of the fields above, however the config was made
+        if not self.dispatcher_timeout_s > self.dispatcher_heartbeat_s:
+            raise ValueError(f"dispatcher_timeout_s ({self.dispatcher_timeout_s}) must be over "
+                             f"dispatcher_heartbeat_s ({self.dispatcher_heartbeat_s})")

@@ -27,6 +27,10 @@ CANCELLED = Counter("tandem_api_cancelled_total",
                     "Generations cancelled on the dispatcher, by why (stop string, disconnect)",
                     ["route", "reason"])
 
+RESUMES = Counter("tandem_api_resumes_total",
+                  "Generations resumed (continued from their tokens) after the dispatcher was "
+                  "lost mid-stream", ["route", "mode"])
+
 
 MODES = ("auto", "cloud-only", "spec", "split")   # the requested mode
 
@@ -39,7 +43,7 @@ def declare() -> None:
     for route in ROUTES[1:]:
         ACTIVE.labels(route).set(0)
         for mode in MODES:
-            for family in (TTFT, TPT, COMPLETION_TOKENS, PROMPT_TOKENS):
+            for family in (TTFT, TPT, COMPLETION_TOKENS, PROMPT_TOKENS, RESUMES):
                 family.labels(route, mode)
 
 

@@ -5,7 +5,7 @@
     python -m bench.reliability_report --render   # only re-render from the last run's figures
 
 The tests (tests/integration/: test_chaos.py, test_partitions.py, test_faults.py, test_load.py,
-test_fuzz.py, test_security.py, test_replicas_process.py)
+test_fuzz.py, test_security.py, test_replicas_process.py, test_resume_process.py)
 write one JSON per section into $TANDEM_RELIABILITY_DIR; this script points that at its own
 directory (run/reliability-report/), clears it, runs pytest, and writes the page from what the
 tests measured — no figure on the page is typed by hand. Exit status: pytest's.
@@ -28,7 +28,8 @@ from common.models import repo_root
 TESTS = ["tests/integration/test_chaos.py", "tests/integration/test_partitions.py",
          "tests/integration/test_faults.py", "tests/integration/test_load.py",
          "tests/integration/test_fuzz.py", "tests/integration/test_security.py",
-         "tests/integration/test_replicas_process.py"]
+         "tests/integration/test_replicas_process.py",
+         "tests/integration/test_resume_process.py"]
 SECTIONS = ("chaos", "partitions", "faults", "load", "fuzz", "security", "replicas")
 
 
@@ -249,6 +250,10 @@ def render(d: dict) -> str:
         if "client_error" in v:
             extra = (f"client got {v['client_error']} after {v['error_after_s']} s; "
                      f"resubmitted: {v['resubmitted_tokens']} tokens, exact")
+        elif "ready_to_next_token_s" in v:
+            extra = (f"SDK and gateway streams resumed, exact; restart to ready "
+                     f"{v['kill_to_ready_s']} s, ready to the next token "
+                     f"{v['ready_to_next_token_s']} s")
         elif v.get("final_replicas") and any(v["final_replicas"]):
             extra = "finished on: " + _reasons([r for r in v["final_replicas"] if r])
         rows.append([name, v.get("sessions"), v.get("sessions_recovered", "–"),

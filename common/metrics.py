@@ -27,6 +27,10 @@ GENERATED_TOKENS = Counter("tandem_generated_tokens_total", "Tokens streamed to 
                            ["service", "mode", "policy"])
 PROMPT_TOKENS = Counter("tandem_prompt_tokens_total", "Prompt tokens received",
                         ["service", "mode"])
+RESUMED_REQUESTS = Counter("tandem_resumed_requests_total",
+                           "Continuations admitted: requests a client re-submitted with the "
+                           "tokens it already held after losing its dispatcher mid-stream",
+                           ["service", "mode"])
 ACTIVE_SESSIONS = Gauge("tandem_active_sessions", "Sessions currently open", ["service", "mode"])
 TTFT = Histogram("tandem_time_to_first_token_seconds", "Request arrival to first streamed token",
                  ["service", "mode", "policy"], buckets=LATENCY)
@@ -187,6 +191,7 @@ def declare_dispatcher(service: str, policies: dict[str, list[str]]) -> None:
     carry their mode; spec requests their policy)."""
     for mode, names in policies.items():
         PROMPT_TOKENS.labels(service, mode)
+        RESUMED_REQUESTS.labels(service, mode)
         ACTIVE_SESSIONS.labels(service, mode)
         for policy in names:
             GENERATED_TOKENS.labels(service, mode, policy)

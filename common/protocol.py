@@ -161,6 +161,9 @@ class Pong(Msg, tag="pong"):
     queued_tokens: Count = 0   # tokens waiting for a forward (prefills, drafts, steps)
     kv_bytes: Count = 0        # bytes of KV cache held
     admitting: bool = True     # False while draining (SIGTERM): it opens no new session
+    # this run of the service (random per process start): a client that sees it change knows its
+    # requests in flight died with the previous run (the SDK resumes them, tandem/link.py)
+    instance: Annotated[str, msgspec.Meta(max_length=64)] = ""
 
 
 class Error(Msg, tag="error"):
@@ -215,6 +218,11 @@ class GenerateRequest(Msg, tag="generate"):
     # ^ auto mode: a target time per token in milliseconds; the dispatcher then chooses the mode
     #   with the least cloud work that meets it (services/dispatcher/auto_policy.py); 0 = the
     #   dispatcher's auto_tpt_slo_ms
+    resume_ids: list[TokenId] | None = None
+    # ^ a continuation: the tokens this request already delivered (its dispatcher was lost
+    #   mid-stream). The dispatcher continues after prompt + resume_ids at the same absolute
+    #   positions, so draws keyed by (seed, position) are the uninterrupted run's; max_tokens
+    #   stays the request's total and TokenEvent indices continue from len(resume_ids)
 
 
 class Cancel(Msg, tag="cancel"):
@@ -573,7 +581,7 @@ def check(msg: Msg) -> Msg:
 
 
 def _check_sizes(msg: Msg, limits: Limits) -> None:
-    for name in ("token_ids", "probs", "append", "entropies", "margins"):
+    for name in ("token_ids", "probs", "append", "entropies", "margins", "resume_ids"):
         value = getattr(msg, name, None)
         if value is not None and len(value) > limits.max_tokens:
             raise ProtocolError(TOO_LARGE,

@@ -201,6 +201,7 @@ class Service:
         self.draining = False                  # SIGTERM: finishing open sessions, admitting none
         self.drained: asyncio.Event | None = None   # set when a drain has finished (serve())
         self._routes: dict[str, tuple[bytes, int]] = {}   # session id -> (identity, rid) last used
+        self.instance = uuid.uuid4().hex[:16]   # this run: in every Pong (a restart changes it)
         self.route(protocol.Ping, self._on_ping)
 
     # --- for subclasses -----------------------------------------------------------------------
@@ -408,7 +409,8 @@ class Service:
         await self.send(ident, protocol.Pong(rid=msg.rid, t=msg.t, service=self.name,
                                              ready=not self.not_ready_reason(),
                                              sessions=sessions, queued_tokens=queued,
-                                             kv_bytes=kv, admitting=not self.draining))
+                                             kv_bytes=kv, admitting=not self.draining,
+                                             instance=self.instance))
 
     async def _dispatch(self, ident: bytes, frames: list) -> None:
         try:

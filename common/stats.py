@@ -150,6 +150,15 @@ class Stats(Mapping):
     """The verifier replica that finished the request (when there are several)."""
     suffix_replica: str | None = None
     """The suffix replica that finished the request (when there are several)."""
+    continued_from: int | None = None
+    """A continuation (the request was resumed): the stream index its last dispatcher continued
+    at, after the tokens the client already held."""
+    resumes: int = 0
+    """Times the SDK re-submitted the request as a continuation after losing its dispatcher
+    mid-stream (tandem/link.py); set by the SDK."""
+    resume_s: tuple[float, ...] = ()
+    """For each resume: from the last token before the loss to the first token after it (the
+    pause the caller saw); set by the SDK."""
     degraded: bool = False
     """Some tokens were produced by the edge alone while the cloud was unreachable
     (`allow_edge_only=True`)."""

@@ -29,6 +29,15 @@ exponential backoff and jitter (openai-python's schedule: 0.5 s doubling up to 8
 25 %), `max_retries` times (2 by default; per client or per call). Never after a token arrived:
 the stream would repeat or lose text.
 
+A dispatcher lost mid-stream (killed and restarted, or silent for `link_timeout_s`; the client
+pings it every `heartbeat_s`, tandem/link.py) costs the stream a pause, not the request: each
+request in flight is re-submitted as a continuation (the prompt plus the tokens already
+delivered, same seed and settings) once the dispatcher answers ready again, `max_resumes` times
+at most, within the request's deadline; the stream goes on from the next token, with no
+duplicate and no gap (`stream.resumes`, `result.stats.resumes`). Greedy and seeded requests give
+the uninterrupted run's tokens. A dispatcher that does not come back within the deadline ends
+the stream with `Unavailable`.
+
 Errors arrive as typed exceptions (tandem.errors). Nothing here needs torch.
 
 A dispatcher that runs CURVE is reached with its public key and this client's key pair:
@@ -53,6 +62,7 @@ import zmq
 import zmq.asyncio
 
 from common import chat, protocol
+from tandem import link
 from tandem.errors import (Busy, Cancelled, DeadlineExceeded, TandemError, Unavailable,
                            error_from_code)
 from tandem.stats import Stats
@@ -68,6 +78,12 @@ DEFAULT_MAX_RETRIES = 2        # as openai-python
 RETRY_INITIAL_S = 0.5          # first backoff; doubles per retry (openai-python's schedule)
 RETRY_MAX_S = 8.0              # backoff cap
 MAX_MESSAGES = 1024            # the wire's limit on GenerateRequest.messages
+HEARTBEAT_RID = 0              # the request id of pings (requests start at 1)
+CANCEL_LINGER_MS = 500         # a lost dispatcher's socket closes with its Cancels this long
+
+
+class DispatcherLost(Exception):
+    """The dispatcher serving a request was lost (restarted or silent): resume it."""
 
 
 @dataclass
@@ -133,10 +149,18 @@ def retry_delay(attempt: int, initial_s: float = RETRY_INITIAL_S, max_s: float =
     return min(initial_s * 2.0 ** attempt, max_s) * (1.0 - 0.25 * rand())
 
 
-def _check_retries(max_retries) -> int:
+def _check_retries(max_retries, name: str = "max_retries") -> int:
     if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
-        raise ValueError(f"max_retries must be an integer >= 0, got {max_retries!r}")
+        raise ValueError(f"{name} must be an integer >= 0, got {max_retries!r}")
     return max_retries
+
+
+def _check_link(heartbeat_s: float, link_timeout_s: float) -> None:
+    if not heartbeat_s > 0:
+        raise ValueError(f"heartbeat_s must be > 0, got {heartbeat_s}")
+    if not link_timeout_s > heartbeat_s:
+        raise ValueError(f"link_timeout_s must be > heartbeat_s ({heartbeat_s}), got "
+                         f"{link_timeout_s}")
 
 
 def _wire_messages(messages) -> list[protocol.ChatMessage]:
@@ -152,12 +176,14 @@ def _wire_messages(messages) -> list[protocol.ChatMessage]:
 class AsyncStream:
     """One generation: an async iterator of Chunks. `result` is the whole Result once the stream
     ended normally (None before, or after an error); `attempts` how many times the request was
-    sent (retries after busy / unavailable included). Closing it early (`aclose()`, leaving
+    sent (retries after busy / unavailable and resumes included); `resumes` how many times it
+    was re-submitted as a continuation after its dispatcher was lost. Closing it early (`aclose()`, leaving
     `async with`, or cancelling the task iterating it) cancels the request on the dispatcher."""
 
     def __init__(self, client: "AsyncClient", args: dict, max_retries: int):
         self.result: Result | None = None
         self.attempts = 0
+        self.resumes = 0
         self._gen = client._run(self, args, max_retries)
 
     def __aiter__(self) -> "AsyncStream":
@@ -181,36 +207,63 @@ class AsyncClient:
     dispatcher that runs CURVE (`--curve-secret-key`, `--curve-allow-dir`): the stream is
     encrypted and the dispatcher lets in only allowlisted client keys. `max_retries`: times a
     request refused with busy / unavailable before its first token is sent again (per call:
-    `generate(..., max_retries=n)`)."""
+    `generate(..., max_retries=n)`). `heartbeat_s`, `link_timeout_s`: the dispatcher is pinged
+    this often, and lost after this long without an answer (or at once when another run of it
+    answers); `max_resumes`: times one request is resumed after a lost dispatcher. `endpoint`
+    may list several dispatchers, comma-separated: one is used at a time, and a silent one
+    hands the client, and the requests it resumes, to the next."""
 
     def __init__(self, endpoint: str = DEFAULT_ENDPOINT, timeout_s: float = 300.0,
                  limits: protocol.Limits | None = None, *, curve_server_key=None,
                  curve_client_key=None, connect_timeout_s: float = 10.0,
                  max_retries: int = DEFAULT_MAX_RETRIES,
-                 context: zmq.asyncio.Context | None = None):
-        self.endpoint = endpoint
+                 context: zmq.asyncio.Context | None = None,
+                 heartbeat_s: float = link.DEFAULT_HEARTBEAT_S,
+                 link_timeout_s: float = link.DEFAULT_TIMEOUT_S,
+                 max_resumes: int = link.DEFAULT_MAX_RESUMES):
+        # "tcp://a:5550,tcp://b:5550": dispatchers to use one at a time; a silent one hands
+        # the client (and its requests in flight, resumed) to the next
+        self.endpoints = [e.strip() for e in endpoint.split(",") if e.strip()]
+        if not self.endpoints:
+            raise ValueError(f"no dispatcher endpoint in {endpoint!r}")
+        self.endpoint = self.endpoints[0]   # the one in use
         self.timeout_s = timeout_s       # default deadline of a request
         self.connect_timeout_s = connect_timeout_s   # no dispatcher connected by then: Unavailable
         self.max_retries = _check_retries(max_retries)
+        self.max_resumes = _check_retries(max_resumes, "max_resumes")
+        _check_link(heartbeat_s, link_timeout_s)
+        self.heartbeat_s = heartbeat_s
+        self.link = link.LinkState(link_timeout_s)
+        self.resumes = 0                 # continuations sent by this client, all requests
         self.limits = limits or protocol.Limits()
         keys = client_options(curve_server_key, curve_client_key, connect_timeout_s)
         # `context`: the one an in-process stack's services share (tandem/inprocess.py)
         self.ctx = context or zmq.asyncio.Context()
         self._own_ctx = context is None
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.IDENTITY, f"client-{uuid.uuid4().hex[:12]}".encode())
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.IMMEDIATE, 1)   # queue only to a connected (and authenticated) peer
-        if keys is not None:
-            self.sock.curve_publickey, self.sock.curve_secretkey, self.sock.curve_serverkey = keys
-        self.sock.connect(endpoint)
+        self._keys = keys
+        self.sock = self._connect()
         self._rids = itertools.count(1)
         self._queues: dict[int, asyncio.Queue] = {}
         self._reader: asyncio.Task | None = None
+        self._pinger: asyncio.Task | None = None
+        self._ready: asyncio.Event | None = None   # the dispatcher's last Pong said ready
         self.last_result: Result | None = None   # the latest stream's result (compatibility;
         # concurrent streams overwrite it: read stream.result)
         self._sleep = asyncio.sleep     # the backoff's clock and dice (tests replace them)
         self._random = random.random
+
+    def _connect(self) -> zmq.asyncio.Socket:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, f"client-{uuid.uuid4().hex[:12]}".encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IMMEDIATE, 1)   # queue only to a connected (and authenticated) peer
+        # ZMTP heartbeats drop a dead TCP connection, so the socket reconnects to a restarted one
+        sock.setsockopt(zmq.HEARTBEAT_IVL, max(100, int(self.heartbeat_s * 1000)))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(300, int(self.link.timeout_s * 1000)))
+        if self._keys is not None:
+            sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = self._keys
+        sock.connect(self.endpoint)
+        return sock
 
     async def __aenter__(self) -> "AsyncClient":
         return self
@@ -219,23 +272,103 @@ class AsyncClient:
         await self.close()
 
     async def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-            await asyncio.gather(self._reader, return_exceptions=True)
+        tasks = [t for t in (self._reader, self._pinger) if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         self.sock.close(linger=0)
         if self._own_ctx:
             self.ctx.term()
 
-    async def _read(self) -> None:
+    async def _read(self, sock: zmq.asyncio.Socket) -> None:
         while True:
-            frames = await self.sock.recv_multipart()
+            try:
+                frames = await sock.recv_multipart()
+            except zmq.ZMQError:
+                if sock.closed:   # replaced after a lost dispatcher (_lose): a new reader reads
+                    return
+                raise
             try:
                 msg = protocol.decode(frames, self.limits)
             except protocol.ProtocolError:
                 continue
+            if isinstance(msg, protocol.Pong) and msg.rid == HEARTBEAT_RID:
+                self._heard(msg)
+                continue
             q = self._queues.get(msg.rid)
             if q is not None:
                 q.put_nowait(msg)
+
+    def _start(self) -> None:
+        """The reader and the heartbeat, on the first request (they need the running loop)."""
+        if self._reader is None:
+            loop = asyncio.get_running_loop()
+            self._ready = asyncio.Event()
+            self._reader = loop.create_task(self._read(self.sock))
+            self._pinger = loop.create_task(self._heartbeat())
+
+    def _heard(self, pong: protocol.Pong) -> None:
+        assert self._ready is not None
+        if self.link.heard(pong.instance, pong.ready, time.monotonic()):
+            self._lose(f"the dispatcher at {self.endpoint} restarted", move=False)
+        if pong.ready:
+            self._ready.set()
+        else:   # starting (a restarted run loads its tokenizer) or draining: resume later
+            self._ready.clear()
+
+    def _lose(self, why: str, move: bool = True) -> None:
+        """Every request in flight is cut off: each attempt raises DispatcherLost. The socket
+        starts afresh (an inproc:// peer that went away is never reconnected to, and nothing
+        the lost run queued can arrive late); a dispatcher that was only silent is told to cancel
+        them on the old one first. `move`: go on with the next listed dispatcher (a restarted one
+        is back already: stay)."""
+        assert self._ready is not None and self._reader is not None
+        self._ready.clear()
+        for rid, q in self._queues.items():
+            q.put_nowait(DispatcherLost(why))
+            # never waits: a dead peer takes nothing (IMMEDIATE), a live one within the linger
+            sent = self.sock.send_multipart(protocol.encode(protocol.Cancel(rid=rid)),
+                                            flags=zmq.NOBLOCK)
+            sent.add_done_callback(lambda f: f.cancelled() or f.exception())   # refusal: fine
+        self._reader.cancel()
+        self.sock.close(linger=CANCEL_LINGER_MS)
+        if move and len(self.endpoints) > 1:
+            self.endpoint = self.endpoints[(self.endpoints.index(self.endpoint) + 1)
+                                           % len(self.endpoints)]
+            # another dispatcher: its silence counts from now (one that is down too hands on)
+            self.link = link.LinkState(self.link.timeout_s, last_heard=time.monotonic())
+        self.sock = self._connect()
+        self._reader = asyncio.get_running_loop().create_task(self._read(self.sock))
+
+    async def _ping(self) -> None:
+        try:   # never waits: an unanswered ping is what the silence check counts
+            await self.sock.send_multipart(protocol.encode(protocol.Ping(
+                rid=HEARTBEAT_RID, t=time.monotonic())), flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await self._ping()
+            await asyncio.sleep(self.heartbeat_s)
+            if self.link.overdue(time.monotonic()):
+                # a loop held up (by a busy caller) sent no pings meanwhile: ask once more and
+                # give the answer a heartbeat before the silence counts
+                await self._ping()
+                await asyncio.sleep(self.heartbeat_s)
+            if self.link.silent(time.monotonic()):
+                self._lose(f"the dispatcher at {self.endpoint} was silent for "
+                           f"{self.link.timeout_s:g} s")
+
+    async def _wait_ready(self, timeout: float) -> bool:
+        """Wait (at most `timeout`) until the dispatcher answers ready."""
+        assert self._ready is not None
+        try:
+            async with asyncio.timeout(max(timeout, 0.0)):
+                await self._ready.wait()
+        except TimeoutError:
+            return False
+        return True
 
     def generate(self, prompt: str | list[int] | None = None, *, messages: list | None = None,
                  mode: str = "auto", max_tokens: int = 64, temperature: float = 0.0,
@@ -271,7 +404,8 @@ class AsyncClient:
         retries = self.max_retries if max_retries is None else _check_retries(max_retries)
         return AsyncStream(self, args, retries)
 
-    def _request(self, a: dict, deadline: float) -> protocol.GenerateRequest:
+    def _request(self, a: dict, deadline: float, resume_ids: list[int] | None = None
+                 ) -> protocol.GenerateRequest:
         prompt, messages = a["prompt"], a["messages"]
         if (prompt is None) == (messages is None):
             raise error_from_code(protocol.BAD_FIELD, "pass a prompt or messages (one of them)",
@@ -290,7 +424,8 @@ class AsyncClient:
             nav_thresholds=None if nav is None else [float(r) for r in nav],
             client=a["end_client"], logprobs=a["logprobs"], tpt_slo_ms=a["tpt_slo_ms"],
             policy_knobs=None if a["policy_knobs"] is None else {
-                str(k): float(v) for k, v in a["policy_knobs"].items()})
+                str(k): float(v) for k, v in a["policy_knobs"].items()},
+            resume_ids=None if resume_ids is None else list(resume_ids))
         try:   # the wire's own rules, before anything leaves: NaN, inf, out-of-range values
             protocol.check(msg)
         except protocol.ProtocolError as e:
@@ -300,22 +435,51 @@ class AsyncClient:
 
     async def _run(self, stream: AsyncStream, args: dict, max_retries: int
                    ) -> AsyncIterator[Chunk]:
-        """The request, sent again after busy / unavailable while no token has arrived, the
-        retries within the request's deadline."""
+        """The request, sent again after busy / unavailable while no token of the attempt has
+        arrived, and resumed as a continuation after a lost dispatcher (tandem/link.py), all
+        within the request's deadline."""
         deadline = self.timeout_s if args["deadline_s"] is None else args["deadline_s"]
         end = time.monotonic() + deadline
+        result = Result()              # every attempt's tokens: a continuation extends it
         retry = 0
+        last_token = time.monotonic()  # the pause a loss causes runs from the last token
+        lost_at: float | None = None
+        resume_s: list[float] = []
         while True:
-            msg = self._request(args, deadline if retry == 0 else
-                                max(end - time.monotonic(), 0.001))
+            msg = self._request(args, deadline if stream.attempts == 0 else
+                                max(end - time.monotonic(), 0.001),
+                                result.token_ids if stream.resumes else None)
             started = False
             stream.attempts += 1
-            attempt = self._attempt(stream, msg)
+            attempt = self._attempt(stream, msg, result)
             try:
                 async for chunk in attempt:
+                    if lost_at is not None:
+                        resume_s.append(time.monotonic() - lost_at)
+                        lost_at = None
                     started = True
+                    last_token = time.monotonic()
                     yield chunk
+                result.stats = Stats.from_dict({**result.stats.raw,
+                                                "generated_tokens": len(result.token_ids),
+                                                "resumes": stream.resumes,
+                                                "resume_s": resume_s})
+                stream.result = self.last_result = result
                 return
+            except DispatcherLost as e:
+                if lost_at is None:
+                    lost_at = last_token
+                why = link.resume_refusal(stream.resumes, self.max_resumes,
+                                          end - time.monotonic())
+                if not why and not await self._wait_ready(end - time.monotonic()):
+                    why = "it did not answer ready again within the request's deadline"
+                if why:
+                    raise Unavailable(protocol.UNAVAILABLE, f"{e} mid-stream after "
+                                      f"{len(result.token_ids)} tokens; not resumed: "
+                                      f"{why}") from None
+                stream.resumes += 1
+                self.resumes += 1
+                continue
             except (Busy, Unavailable):
                 if started or retry >= max_retries:
                     raise
@@ -327,14 +491,14 @@ class AsyncClient:
             retry += 1
             await self._sleep(delay)
 
-    async def _attempt(self, stream: AsyncStream, msg: protocol.GenerateRequest
-                       ) -> AsyncIterator[Chunk]:
-        if self._reader is None:
-            self._reader = asyncio.get_running_loop().create_task(self._read())
+    async def _attempt(self, stream: AsyncStream, msg: protocol.GenerateRequest,
+                       result: Result) -> AsyncIterator[Chunk]:
+        """One GenerateRequest's stream, appended to `result` (a continuation's indices follow
+        the tokens `result` holds; anything else is dropped)."""
+        self._start()
         rid = msg.rid
         q: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = q
-        result = Result()
         end = time.monotonic() + msg.deadline_s + 5.0   # the dispatcher enforces the deadline;
         finished = False                                # this only guards against a dead one
         try:
@@ -357,6 +521,9 @@ class AsyncClient:
                 except TimeoutError:
                     raise DeadlineExceeded(protocol.DEADLINE,
                                            f"no answer from the dispatcher at {self.endpoint}") from None
+                if isinstance(ev, DispatcherLost):
+                    finished = True   # cancelled on the lost dispatcher's socket (_lose)
+                    raise ev
                 if isinstance(ev, protocol.TokenEvent):
                     if ev.index != len(result.token_ids):
                         continue  # never yield a token twice
@@ -372,7 +539,6 @@ class AsyncClient:
                     finished = True
                     if ev.finish_reason == "cancelled":
                         raise Cancelled(protocol.CANCELLED, "request cancelled")
-                    stream.result = self.last_result = result
                     return
                 elif isinstance(ev, protocol.Error):
                     finished = True
@@ -411,6 +577,10 @@ class Stream:
     def attempts(self) -> int:
         return self._astream.attempts
 
+    @property
+    def resumes(self) -> int:
+        return self._astream.resumes
+
     def __iter__(self) -> "Stream":
         return self
 
@@ -435,22 +605,27 @@ class Client:
 
     def __init__(self, endpoint: str = DEFAULT_ENDPOINT, timeout_s: float = 300.0, *,
                  curve_server_key=None, curve_client_key=None, connect_timeout_s: float = 10.0,
-                 max_retries: int = DEFAULT_MAX_RETRIES):
+                 max_retries: int = DEFAULT_MAX_RETRIES,
+                 heartbeat_s: float = link.DEFAULT_HEARTBEAT_S,
+                 link_timeout_s: float = link.DEFAULT_TIMEOUT_S,
+                 max_resumes: int = link.DEFAULT_MAX_RESUMES):
         client_options(curve_server_key, curve_client_key, connect_timeout_s)   # fail here
         _check_retries(max_retries)
+        _check_retries(max_resumes, "max_resumes")
+        _check_link(heartbeat_s, link_timeout_s)
+        kw = dict(curve_server_key=curve_server_key, curve_client_key=curve_client_key,
+                  connect_timeout_s=connect_timeout_s, max_retries=max_retries,
+                  heartbeat_s=heartbeat_s, link_timeout_s=link_timeout_s,
+                  max_resumes=max_resumes)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
                                         name="tandem-client")
         self._thread.start()
-        self._async = self._call(self._make(endpoint, timeout_s, curve_server_key,
-                                            curve_client_key, connect_timeout_s, max_retries))
+        self._async = self._call(self._make(endpoint, timeout_s, kw))
 
     @staticmethod
-    async def _make(endpoint, timeout_s, server_key, client_key, connect_s,
-                    max_retries) -> AsyncClient:
-        return AsyncClient(endpoint, timeout_s, curve_server_key=server_key,
-                           curve_client_key=client_key, connect_timeout_s=connect_s,
-                           max_retries=max_retries)
+    async def _make(endpoint, timeout_s, kw) -> AsyncClient:
+        return AsyncClient(endpoint, timeout_s, **kw)
 
     def _call(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()

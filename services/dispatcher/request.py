@@ -49,18 +49,22 @@ class Request:
     """One client request in flight."""
 
     def __init__(self, d: Dispatcher, ident: bytes, msg: protocol.GenerateRequest,
-                 prompt_ids: list[int], mode: str, policy: str):
+                 prompt_ids: list[int], mode: str, policy: str, resumed: int = 0):
         self.d = d
         self.ident = ident
         self.msg = msg
         self.rid = msg.rid
         self.sid = f"{msg.sid or 'req'}-{uuid.uuid4().hex[:10]}"   # unique across clients
+        # the context the modes extend: the prompt, and for a continuation (GenerateRequest.
+        # resume_ids) the `resumed` tokens the client already holds, so every position, and the
+        # seeded draws keyed by it, is where the uninterrupted run had it
         self.prompt_ids = prompt_ids
+        self.resumed = resumed
         self.mode = mode
         self.policy = policy
         # the coupling and (under gumbel) the seed resolved here, so every service agrees
         self.sampling = sampling.resolved(msg.sampling, d.cfg.sampling_coupling)
-        self.max_tokens = msg.max_tokens
+        self.max_tokens = msg.max_tokens - resumed
         self.eos = d.eos_token_id if msg.stop_at_eos else None
         self.tokens: list[int] = []
         self.finish_reason = ""
@@ -76,6 +80,8 @@ class Request:
         self.segments: list[dict] = []   # mode="auto", switching: each stretch, in order
         self.cancelled = asyncio.Event()
         self.detok = Detokenizer(d.tokenizer)
+        if resumed:   # the text continues where the client's left off
+            self.detok.push(prompt_ids[len(prompt_ids) - resumed:])
 
     @property
     def done(self) -> bool:
@@ -124,7 +130,7 @@ class Request:
         step = EVENT_TOKENS if lps is not None else len(out)
         for i in range(0, len(out), step):
             part = out[i:i + step]
-            index = len(self.tokens)
+            index = self.resumed + len(self.tokens)   # a continuation's numbering goes on
             self.tokens.extend(part)
             await self.d.send(self.ident, protocol.TokenEvent(
                 sid=self.msg.sid, rid=self.rid, index=index, token_ids=part,
@@ -140,10 +146,13 @@ class Request:
     def summary(self) -> dict:
         end = time.monotonic()
         n = len(self.tokens)
-        stats = {"mode": self.mode, "policy": self.policy, "prompt_tokens": len(self.prompt_ids),
+        stats = {"mode": self.mode, "policy": self.policy,
+                 "prompt_tokens": len(self.prompt_ids) - self.resumed,
                  "generated_tokens": n, "duration_s": end - self.start,
                  "ttft_s": (self.first_token_at - self.start) if n else None,
                  "tpt_s": (end - self.start) / n if n else None}
+        if self.msg.resume_ids is not None:
+            stats["continued_from"] = self.resumed
         stats.update(self.stats)
         if self.segments:
             stats["segments"] = [dict(s) for s in self.segments]

@@ -125,6 +125,30 @@ class Dispatcher(Service):
                                 field="prompt")
         return ids
 
+    def resume_ids(self, msg: protocol.GenerateRequest, prompt_len: int) -> list[int]:
+        """A continuation's committed tokens, checked: it must leave tokens to generate, lie in
+        the vocabulary, not run past an EOS the request stops at, and fit the prompt limit with
+        the prompt (the dispatcher prefills both)."""
+        ids = list(msg.resume_ids or ())
+        if not ids:
+            return ids
+        if len(ids) >= msg.max_tokens:
+            raise ProtocolError(protocol.BAD_FIELD, f"resume_ids: {len(ids)} tokens already "
+                                f"delivered leave nothing of max_tokens = {msg.max_tokens}",
+                                field="resume_ids")
+        bad = [t for t in ids if not 0 <= t < len(self.tokenizer)]
+        if bad:
+            raise ProtocolError(protocol.BAD_FIELD, f"resume_ids: token ids outside the "
+                                f"vocabulary: {bad[:5]}", field="resume_ids")
+        if msg.stop_at_eos and self.eos_token_id in ids:
+            raise ProtocolError(protocol.BAD_FIELD, "resume_ids: holds the EOS token, so the "
+                                "request had already ended", field="resume_ids")
+        if prompt_len + len(ids) > self.limits.max_prompt_tokens:
+            raise ProtocolError(protocol.TOO_LARGE, f"prompt of {prompt_len} tokens + "
+                                f"{len(ids)} resumed is over max_prompt_tokens = "
+                                f"{self.limits.max_prompt_tokens}", field="resume_ids")
+        return ids
+
     async def on_generate(self, ident: bytes, msg: protocol.GenerateRequest, frames) -> None:
         key = (ident, msg.rid)
         if key in self.requests:
@@ -153,14 +177,18 @@ class Dispatcher(Service):
             msg, choice, partner = self.auto.admit(self, msg)
             mode = msg.mode
         policy = self.modes[mode].policy(self, msg)
-        req = Request(self, ident, msg, ids, mode, policy)
+        prompt = ids
+        resumed = self.resume_ids(msg, len(prompt))
+        req = Request(self, ident, msg, prompt + resumed, mode, policy, resumed=len(resumed))
         req.choice, req.switch_to = choice, partner
         req.client = security.client_id(ident, frames, msg.client, self.delegates)
-        req.quota = len(req.prompt_ids) + msg.max_tokens
+        req.quota = len(req.prompt_ids) + req.max_tokens   # a continuation's: the original's
         self.quota.admit(req.client, req.quota)       # per-client limits: busy / too_large
         self.requests[key] = req
         metrics.ACTIVE_SESSIONS.labels(self.name, mode).inc()
-        metrics.PROMPT_TOKENS.labels(self.name, mode).inc(len(req.prompt_ids))
+        metrics.PROMPT_TOKENS.labels(self.name, mode).inc(len(prompt))
+        if msg.resume_ids is not None:
+            metrics.RESUMED_REQUESTS.labels(self.name, mode).inc()
         self.spawn(self.serve_request(key, req))
 
     async def on_cancel(self, ident: bytes, msg: protocol.Cancel, frames) -> None:

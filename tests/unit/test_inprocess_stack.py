@@ -6,6 +6,7 @@ seconds instead of the minutes the process-based suites take. transformers' own
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from prometheus_client import REGISTRY
@@ -280,3 +281,87 @@ def test_logprobs_are_the_targets_raw_log_softmax(stack, ids, reference, hf_mode
         assert max(abs(a - b) for a, b in zip(lp.top_logprobs, top)) < 1e-4, j
         assert max(abs(v - float(want[j, i])) for i, v in zip(lp.top_ids, lp.top_logprobs)) \
             < 1e-4, j
+
+
+# --- a dispatcher lost mid-stream: the SDK resumes the stream as a continuation ---------------
+RESUME_N = 24
+
+
+async def _start_again(s, name: str, timeout: float = 30.0) -> None:
+    """Start a stopped service again; its inproc:// name is free once libzmq has reaped the old
+    socket (after its linger), which may take a moment."""
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            return await s.start(name)
+        except RuntimeError as e:
+            if "address already in use" not in str(e) or time.monotonic() > end:
+                raise
+            await asyncio.sleep(0.1)
+
+
+def _stop_dispatcher_mid_stream(stack, prompt_ids, **kw):
+    """Stream a request, stop the dispatcher after 4 tokens (every request it held dies with it,
+    as under kill -9) and start another: the tokens, the Result and the two dispatcher runs."""
+    async def go(s):
+        first = s.services["dispatcher"]
+        async with s.client(heartbeat_s=0.2, link_timeout_s=2.0) as c:
+            tokens, indices, stopped = [], [], False
+            stream = c.generate(list(prompt_ids), max_tokens=RESUME_N, stop_at_eos=False,
+                                deadline_s=120, **kw)
+            async for chunk in stream:
+                tokens += chunk.token_ids
+                indices.append(chunk.index)
+                if not stopped and len(tokens) >= 4:
+                    stopped = True
+                    assert first.requests, "the dispatcher holds no request"
+                    await s.stop("dispatcher")
+                    await _start_again(s, "dispatcher")
+            return tokens, indices, stream, first, s.services["dispatcher"]
+    return stack.call(go)
+
+
+@pytest.mark.parametrize("mode,kw", [
+    ("spec", {"policy": "pipesd"}),
+    ("cloud-only", {"temperature": 0.8, "seed": 7, "sampling_coupling": "rejection"}),
+    ("spec", {"policy": "pipesd", "temperature": 0.8, "seed": 7, "sampling_coupling": "gumbel"})])
+def test_a_dispatcher_stopped_mid_stream_is_resumed_exactly(stack, ids, reference, mode, kw):
+    """The SDK notices the lost dispatcher (silence, then another run answers), re-submits the
+    request with the tokens it holds, and the stream goes on: no duplicate, no gap, the output
+    is transformers' (greedy) or the uninterrupted run's (seeded sampling: the continuation's
+    draws are keyed by the same absolute positions). Cloud-only greedy across a kill -9 of the
+    dispatcher process: tests/integration/test_resume_process.py."""
+    if "seed" in kw:
+        want = stack.complete(list(ids[1]), max_tokens=RESUME_N, stop_at_eos=False,
+                              deadline_s=120, mode=mode, **kw).token_ids
+    else:
+        want = reference(ids[1], RESUME_N)
+    tokens, indices, stream, first, second = _stop_dispatcher_mid_stream(
+        stack, ids[1], mode=mode, **kw)
+    assert second is not first and second.instance != first.instance   # the fault took effect
+    assert stream.resumes == 1 and stream.result.stats.resumes == 1, stream.result.stats
+    assert stream.result.stats.continued_from >= 4
+    assert len(tokens) == RESUME_N and indices == sorted(set(indices))
+    assert tokens == stream.result.token_ids == want
+
+
+def test_a_continuation_is_checked(stack, ids):
+    """resume_ids that leave nothing to generate, fall outside the vocabulary, hold the EOS the
+    request stops at, or are over the message limit are refused with a stable code."""
+    from common import protocol
+    from common.runtime import Peer
+    from tests.conftest import error_code
+
+    async def go(s):
+        peer = Peer(s.ctx, s.endpoint("dispatcher"), "dispatcher", "test")
+        eos = s.services["dispatcher"].eos_token_id
+
+        def req(resume, **kw):
+            return protocol.GenerateRequest(token_ids=list(ids[0]), max_tokens=kw.pop("n", 8),
+                                            resume_ids=resume, **kw)
+        try:
+            return [await error_code(peer, m) for m in (
+                req([1, 2, 3], n=3), req([10**7]), req([5, eos]), req([1] * 5000, n=6000))]
+        finally:
+            peer.close()
+    assert stack.call(go) == ["bad_field", "bad_field", "bad_field", "too_large"]
