@@ -155,7 +155,7 @@ class Error(Msg, tag="error"):
 
 
 class Ack(Msg, tag="ack"):
-    pass
+    cached_tokens: Size = 0   # a SpecOpen's Ack: prompt tokens whose KV the prefix cache held
 
 
 class Close(Msg, tag="close"):
@@ -227,6 +227,7 @@ class CloudTokens(Msg, tag="cloud_tokens"):
     token_ids: list[TokenId]
     done: bool = False
     finish_reason: str = ""
+    cached_tokens: Size = 0   # prompt tokens whose KV the prefix cache held (on index 0)
 
 
 # --- dispatcher <-> verifier: speculative mode ----------------------------------------------
@@ -237,6 +238,7 @@ class SpecOpen(Msg, tag="spec_open"):
     token_ids: list[TokenId]
     sampling: Sampling = msgspec.field(default_factory=Sampling)
     stream: bool = False
+    max_tokens: Size = 0   # tokens the request may generate, for the KV reservation (0: unknown)
 
 
 class DraftBatch(Msg, tag="draft_batch"):

@@ -321,7 +321,8 @@ class SpecRun:
         self.vch = self.vpeer.channel()
         self._reader(self.vch, self.vsrc)
         await self.vch.send(protocol.SpecOpen(sid=self.vsid, seq=OPEN_SEQ, token_ids=req.prompt_ids,
-                                              sampling=req.sampling, stream=self.policy.stream))
+                                              sampling=req.sampling, stream=self.policy.stream,
+                                              max_tokens=req.max_tokens))
         # One token wanted: it is the target's own (the last wanted position always is), so no
         # draft could be used and the drafter's prefill would be wasted edge work. It is opened
         # anyway when the request may have to go on from the drafter alone (allow_edge_only).
@@ -401,7 +402,8 @@ class SpecRun:
         self.last_v = time.monotonic()
         await self.vch.send(protocol.SpecOpen(sid=self.vsid, seq=OPEN_SEQ,
                                               token_ids=self.rec.committed(),
-                                              sampling=req.sampling, stream=self.policy.stream))
+                                              sampling=req.sampling, stream=self.policy.stream,
+                                              max_tokens=max(1, req.max_tokens - len(req.tokens))))
         await self.act(self.sm.verifier_lost())
 
     async def _reference(self) -> list[int]:
@@ -447,6 +449,7 @@ class SpecRun:
         if isinstance(msg, protocol.Ack):
             if msg.seq == OPEN_SEQ:
                 self.verifier_ready_s = time.monotonic() - self.req.start
+                self.req.stats.setdefault("cached_tokens", msg.cached_tokens)
             elif msg.seq in self.sent_at:
                 t, size = self.sent_at.pop(msg.seq)
                 self.edge.link.observe_round_trip(size, time.monotonic() - t)
