@@ -60,16 +60,23 @@ class Verifier(Service):
         self.log.info("target %s loaded: %d layers, vocab %d", path, self.runner.num_layers,
                       self.vocab_size)
         metrics.declare_verifier(self.name)
-        from common.resources import available_memory
-
-        budget = self.cfg.kv_budget_bytes or available_memory(self.runner.device) // 2
-        cache = self.cfg.prefix_cache and self.runner.chunk_invariant
-        self.kv_cache = PrefixCache(self.runner, budget, cache, self.name)
-        self.log.info("KV budget %.2f GB (%d tokens); prefix cache %s", budget / 1e9,
-                      budget // self.kv_cache.row_bytes,
-                      "on" if cache else "off" if not self.cfg.prefix_cache else
+        c = self.prefix_cache()
+        self.log.info("KV budget %.2f GB (%d tokens); prefix cache %s", c.budget / 1e9,
+                      c.budget // c.row_bytes,
+                      "on" if c.enabled else "off" if not self.cfg.prefix_cache else
                       "off: the runner's rows depend on chunking here (no CPU kernels)")
         self.spawn_loop("engine", self.engine_loop())
+
+    def prefix_cache(self) -> PrefixCache:
+        """The KV budget and prefix cache over this verifier's runner (made on first use)."""
+        if self.kv_cache is None:
+            from common.resources import available_memory
+
+            budget = self.cfg.kv_budget_bytes or available_memory(self.runner.device) // 2
+            self.kv_cache = PrefixCache(self.runner, budget,
+                                        self.cfg.prefix_cache and self.runner.chunk_invariant,
+                                        self.name)
+        return self.kv_cache
 
     # --- admission and handlers ----------------------------------------------------------------
     def add(self, session: EngineSession) -> None:
@@ -83,7 +90,7 @@ class Verifier(Service):
         sessions = self.sessions.values()
         queued = sum(len(getattr(s, "pending", None) or getattr(s, "prefill", None) or ())
                      for s in sessions)
-        return len(sessions), queued, self.live_bytes() + self.kv_cache.cached_bytes
+        return len(sessions), queued, self.live_bytes() + self.prefix_cache().cached_bytes
 
     def live_bytes(self) -> int:
         return sum(s.kv.nbytes() for s in self.sessions.values())
@@ -91,20 +98,20 @@ class Verifier(Service):
     def open_kv(self, prompt: list[int], new_tokens: int):
         """KV for a new session within the budget, holding the longest cached prefix of its
         prompt: (kv, reused rows); `busy` / `too_large` when it cannot fit."""
-        kv, hit = self.kv_cache.open(prompt, new_tokens, self.live_bytes())
+        kv, hit = self.prefix_cache().open(prompt, new_tokens, self.live_bytes())
         self.report_kv()
         return kv, hit
 
     def report_kv(self) -> None:
-        metrics.KV_BYTES.labels(self.name).set(self.live_bytes() + self.kv_cache.cached_bytes)
+        metrics.KV_BYTES.labels(self.name).set(self.live_bytes() + self.prefix_cache().cached_bytes)
 
     def session_dropped(self, s) -> None:
         """A session ended (closed, reaped, or finished generating): its committed rows go to
         the prefix cache, unless it ended on a bug (its state may be half-updated)."""
         if isinstance(s, EngineSession) and not s.failed:
             tokens, n = s.cacheable()
-            self.kv_cache.put(tokens, s.kv, n)
-            self.kv_cache.fit(self.live_bytes())
+            self.prefix_cache().put(tokens, s.kv, n)
+            self.prefix_cache().fit(self.live_bytes())
         self.report_kv()
 
     def retried_open(self, ident: bytes, msg: Msg, kind: type) -> EngineSession | None:
