@@ -37,6 +37,9 @@ from common import metrics, protocol
 from common.protocol import ProtocolError
 
 
+MIN_ROWS = 64   # the fewest rows a SessionKV buffer holds (common/runner.py)
+
+
 @dataclass
 class Entry:
     tokens: np.ndarray           # int64 ids whose rows `rows` holds, in order
@@ -82,8 +85,8 @@ class PrefixCache:
                 f"a prompt of {n_prompt} tokens needs {n_prompt * self.row_bytes} bytes of KV "
                 f"cache, more than the verifier's whole kv_budget_bytes ({self.budget}: "
                 f"{self.budget // self.row_bytes} tokens)", field="token_ids")
-        rows = max(64, min(n_prompt + new_rows, self.budget // self.row_bytes))
-        need = rows * self.row_bytes
+        rows = min(n_prompt + new_rows, self.budget // self.row_bytes)
+        need = max(MIN_ROWS, rows) * self.row_bytes   # what SessionKV allocates for them
         key, hit = self.match(prompt)
         self._evict(need + live_bytes, keep=key)
         if self.cached_bytes + live_bytes + need > self.budget:

@@ -159,3 +159,60 @@ def test_a_later_turn_reuses_the_earlier_turn_exactly(stack, tokenizer, referenc
     assert miss.stats["cached_tokens"] == 0
     assert hit.token_ids == miss.token_ids
     assert_same_tokens(turn2, hit.token_ids, reference(turn2, N), mode)
+
+
+def test_a_tight_budget_evicts_then_refuses_busy_and_never_fails_a_running_session(
+        stack, tokenizer):
+    import asyncio
+
+    from tandem.errors import Busy
+
+    verifier = stack.stack.services["verifier"]
+    c = verifier.prefix_cache()
+    budget, c.budget = c.budget, 0
+    try:
+        evicted = _evictions()
+        verifier.prefix_cache().clear()
+        a = tokenizer.encode("Budgets: the first conversation starts here and")
+        b = tokenizer.encode("Budgets: another conversation starts over there and")
+        c.budget = 80 * c.row_bytes    # one session (64 rows reserved at least) at a time
+        first = _gen(stack, a, "cloud-only")          # cached when it ends
+        assert c.entries
+        second = _gen(stack, b, "cloud-only")         # evicts the first's rows to fit
+        assert _evictions() > evicted
+        assert second.stats["cached_tokens"] == 0 and len(second.token_ids) == N
+
+        async def both(s):
+            async with s.client(max_retries=0) as cl:
+                long = asyncio.ensure_future(cl.complete(a, mode="cloud-only", max_tokens=40,
+                                                         stop_at_eos=False, deadline_s=120))
+                await _until(lambda: verifier.sessions.ids())
+                try:
+                    await cl.complete(b, mode="cloud-only", max_tokens=N, deadline_s=120)
+                    refused = None
+                except Busy as e:
+                    refused = e
+                return await long, refused
+        done, refused = stack.call(both)
+        assert refused is not None and "KV budget" in str(refused)
+        # the admitted session ran to the end, its output exact (greedy: it extends the first)
+        assert len(done.token_ids) == 40 and done.token_ids[:N] == first.token_ids
+    finally:
+        c.budget = budget
+
+
+def _evictions() -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("tandem_kv_evictions_total", {"service": "verifier"}) or 0.0
+
+
+def test_the_api_reports_cached_prompt_tokens():
+    from api.app import Run
+
+    run = object.__new__(Run)
+    run.ids, run.tokens, run.stats = [5, 6, 7, 8], 3, {"cached_tokens": 2}
+    assert run.usage() == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7,
+                           "prompt_tokens_details": {"cached_tokens": 2}}
+    run.stats = {}
+    assert run.usage()["prompt_tokens_details"] == {"cached_tokens": 0}
