@@ -90,7 +90,7 @@ class Verifier(Service):
         sessions = self.sessions.values()
         queued = sum(len(getattr(s, "pending", None) or getattr(s, "prefill", None) or ())
                      for s in sessions)
-        return len(sessions), queued, self.live_bytes() + self.prefix_cache().cached_bytes
+        return len(sessions), queued, self.live_bytes()   # cached prefixes give way: not load
 
     def live_bytes(self) -> int:
         return sum(s.kv.nbytes() for s in self.sessions.values())
