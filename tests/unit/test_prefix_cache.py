@@ -88,10 +88,20 @@ def test_a_disabled_cache_keeps_nothing_but_still_budgets():
         c.open([1, 2, 3], 1, live_bytes=90 * ROW)
 
 
-def test_reused_rows_give_a_full_prefills_logits_bits(model_paths, tokenizer):
-    from common.runner import LayerRangeRunner, Segment
+# --- through the in-process stack -------------------------------------------------------------
+@pytest.fixture(scope="module")
+def stack(model_paths):
+    from tandem.inprocess import BackgroundStack
 
-    runner = LayerRangeRunner(model_paths.target)
+    s = BackgroundStack()
+    yield s
+    s.close()
+
+
+def test_reused_rows_give_a_full_prefills_logits_bits(stack, tokenizer):
+    from common.runner import Segment
+
+    runner = stack.stack.services["verifier"].runner   # idle between requests: ours to use
     if not runner.chunk_invariant:
         pytest.skip("the runner's kernels are not built here")
     L = runner.num_layers
@@ -108,17 +118,7 @@ def test_reused_rows_give_a_full_prefills_logits_bits(model_paths, tokenizer):
     assert torch.equal(got, full[hit:])
 
 
-# --- through the in-process stack -------------------------------------------------------------
 N = 12
-
-
-@pytest.fixture(scope="module")
-def stack(model_paths):
-    from tandem.inprocess import BackgroundStack
-
-    s = BackgroundStack()
-    yield s
-    s.close()
 
 
 def _gen(stack, prompt_ids, mode):
