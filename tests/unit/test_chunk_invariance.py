@@ -41,6 +41,25 @@ def test_chunks_of_1_7_64_and_whole_give_the_same_bits(runner, tokenizer):
                 f"K/V of layer {layer} differ with chunks of {chunk}")
 
 
+def test_sliding_window_layers_give_the_same_bits_in_any_chunks(tmp_path):
+    """A tiny seeded Qwen3 (tests/unit/test_architectures.py): two layers with a window of 6
+    keys, shorter than the prompt, so each chunk's first visible key moves, and two global."""
+    from tests.unit.test_architectures import build
+
+    family = "qwen3"
+    build(family, tmp_path)
+    r = LayerRangeRunner(tmp_path)
+    if not r.chunk_invariant:
+        pytest.skip("the runner's kernels are not built here")
+    ids = [(7 * i + 3) % 120 + 3 for i in range(45)]
+    kv_whole, logits_whole = prefill(r, ids, len(ids))
+    for chunk in (1, 5, 16):
+        kv, logits = prefill(r, ids, chunk)
+        assert torch.equal(logits, logits_whole), f"{family}: logits differ with chunks of {chunk}"
+        for a, b in zip(kv.bufs, kv_whole.bufs):
+            assert torch.equal(a[:, :, : len(ids)], b[:, :, : len(ids)]), (family, chunk)
+
+
 def test_a_sliding_window_starts_on_an_8_key_boundary(runner):
     """Windowed layers read keys from a multiple of 8 and mask the ones before the window, so
     a key keeps its lane in the softmax sum whatever the chunk."""
