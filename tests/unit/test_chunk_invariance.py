@@ -30,8 +30,8 @@ def prefill(runner, ids: list[int], chunk: int):
 def test_chunks_of_1_7_64_and_whole_give_the_same_bits(runner, tokenizer):
     text = ("The printing press spread across Europe within decades; each city that took it up "
             "saw books fall in price, literacy rise and new trades appear around the shops. ")
-    ids = tokenizer.encode(text * 6)[:110]
-    assert len(ids) == 110   # not a multiple of 7, 8 or 64: every chunk has a ragged tail
+    ids = tokenizer.encode(text * 6)[:83]
+    assert len(ids) == 83   # not a multiple of 7, 8 or 64: every chunk has a ragged tail
     kv_whole, logits_whole = prefill(runner, ids, len(ids))
     for chunk in (1, 7, 64):
         kv, logits = prefill(runner, ids, chunk)
