@@ -67,6 +67,10 @@ class PrefixCache:
         self.service = service
         self.row_bytes = (runner.num_layers * 2 * runner.kv_heads * runner.head_dim
                           * torch.finfo(runner.dtype).bits // 8)
+        if budget_bytes < MIN_ROWS * self.row_bytes:
+            raise ValueError(f"kv_budget_bytes {budget_bytes} holds {budget_bytes // self.row_bytes}"
+                             f" tokens of KV ({self.row_bytes} bytes each); a session needs room "
+                             f"for at least {MIN_ROWS}")
         self.entries: OrderedDict[int, Entry] = OrderedDict()   # least recently used first
         self.cached_bytes = 0
         self._next = 0
@@ -87,17 +91,17 @@ class PrefixCache:
                 f"{self.budget // self.row_bytes} tokens)", field="token_ids")
         rows = min(n_prompt + new_rows, self.budget // self.row_bytes)
         need = max(MIN_ROWS, rows) * self.row_bytes   # what SessionKV allocates for them
-        key, hit = self.match(prompt)
-        self._evict(need + live_bytes, keep=key)
-        if self.cached_bytes + live_bytes + need > self.budget:
-            self._evict(need + live_bytes)   # the prefix it would reuse as well
-            key, hit = None, 0
-        if self.cached_bytes + live_bytes + need > self.budget:
+        if live_bytes + need > self.budget:   # refused before anything cached is evicted
             raise ProtocolError(
                 protocol.BUSY,
                 f"verifier KV budget full: live sessions hold {live_bytes} of "
                 f"{self.budget} bytes and this one needs {need}; retry when a session ends "
                 f"(in about a second)")
+        key, hit = self.match(prompt)
+        self._evict(need + live_bytes, keep=key)
+        if self.cached_bytes + live_bytes + need > self.budget:
+            self._evict(need + live_bytes)   # the prefix it would reuse as well
+            key, hit = None, 0
         kv = self.runner.new_kv()
         with torch.inference_mode():
             kv.reserve(0, self.runner.num_layers, rows)

@@ -69,15 +69,19 @@ def test_the_budget_evicts_least_recently_used_then_refuses_busy():
     with pytest.raises(ProtocolError) as e:
         c.open([3, 4, 5], 150, live_bytes=300 * ROW)
     assert e.value.code == protocol.BUSY and "retry" in str(e.value)
-    assert not c.entries   # everything cached went first
+    assert len(c.entries) == 1   # a refused session evicts nothing
+    c.open([3, 4, 5], 150, live_bytes=200 * ROW)
+    assert not c.entries         # an admitted one evicts what it needs
 
 
 def test_a_prompt_over_the_whole_budget_is_too_large_naming_the_limit():
-    c = PrefixCache(ToyRunner(), 10 * ROW, enabled=True)
+    c = PrefixCache(ToyRunner(), 70 * ROW, enabled=True)
     with pytest.raises(ProtocolError) as e:
-        c.open(list(range(11)), 1, live_bytes=0)
+        c.open(list(range(71)), 1, live_bytes=0)
     assert e.value.code == protocol.TOO_LARGE and e.value.field == "token_ids"
-    assert "kv_budget_bytes" in str(e.value) and "10 tokens" in str(e.value)
+    assert "kv_budget_bytes" in str(e.value) and "70 tokens" in str(e.value)
+    with pytest.raises(ValueError, match="at least 64"):
+        PrefixCache(ToyRunner(), 63 * ROW, enabled=True)
 
 
 def test_a_disabled_cache_keeps_nothing_but_still_budgets():
