@@ -407,7 +407,11 @@ static inline __attribute__((always_inline)) void attend_heads(
             sc[g * ss + j] = hsum8(acc) * scale;
         }
     /* per head: the max over the visible keys (8 lanes at a time: a max is exact in any
-     * order), exp(score - max) with masked keys exactly 0, and their sum */
+     * order), exp(score - max) with masked keys exactly 0, and their sum. The sum gives key j
+     * (counted from `first`) lane j % 8 whatever S is, and sums the lanes once at the end: a
+     * query's sum then has the same bits however many keys past its own the call holds (its
+     * prefill's chunking: masked keys and padding lanes add exactly 0), which the prefix
+     * cache's exactness needs (tests/unit/test_chunk_invariance.py). */
     float inv[3];
     for (int g = 0; g < NH; g++) {
         float* sg = sc + g * ss;
@@ -428,12 +432,17 @@ static inline __attribute__((always_inline)) void attend_heads(
             _mm256_storeu_ps(sg + j, v);
             vsum = _mm256_add_ps(vsum, v);
         }
-        float sum = hsum8(vsum);
-        for (; j < S; j++) {
-            sg[j] = sg[j] == -INFINITY ? 0.0f : exp1(sg[j] - mx);
-            sum += sg[j];
+        if (j < S) {   /* the last keys as one more block, its lanes past S at exactly 0 */
+            float t[8];
+            for (int l = 0; l < 8; l++) t[l] = j + l < S ? sg[j + l] : -INFINITY;
+            __m256 v = _mm256_loadu_ps(t);
+            __m256 keep = _mm256_cmp_ps(v, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+            v = _mm256_and_ps(exp8(_mm256_sub_ps(v, vmx)), keep);
+            _mm256_storeu_ps(t, v);
+            for (int l = 0; j + l < S; l++) sg[j + l] = t[l];
+            vsum = _mm256_add_ps(vsum, v);
         }
-        inv[g] = 1.0f / sum;
+        inv[g] = 1.0f / hsum8(vsum);
     }
     /* out = sum_j p_j V_j / sum, 32 features of every head in registers while V streams */
     for (long d0 = 0; d0 < hd; d0 += 32) {

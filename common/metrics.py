@@ -141,6 +141,12 @@ DEGRADED_TOKENS = Counter("tandem_degraded_tokens_total",
                           "Tokens streamed by the edge drafter alone while the cloud was "
                           "unreachable (spec mode with allow_edge_only)", ["service", "mode"])
 KV_BYTES = Gauge("tandem_kv_cache_bytes", "Bytes held in KV caches", ["service"])
+KV_BUDGET = Gauge("tandem_kv_budget_bytes", "The KV cache byte budget (live sessions + cached "
+                  "prefixes)", ["service"])
+KV_CACHED = Gauge("tandem_kv_cached_bytes", "Bytes of KV kept for finished sessions' prefixes",
+                  ["service"])
+KV_EVICTIONS = Counter("tandem_kv_evictions_total", "Cached prefixes evicted to make room",
+                       ["service"])
 RSS = Gauge("tandem_process_resident_memory_bytes", "Peak resident set size of the process",
             ["service"])
 UP = Gauge("tandem_up", "1 once the service is ready", ["service"])
@@ -237,6 +243,10 @@ def declare_drafter(service: str) -> None:
 
 def declare_verifier(service: str) -> None:
     EARLY_REJECTS.labels(service)
+    KV_CACHED.labels(service)
+    KV_EVICTIONS.labels(service)
+    for outcome in ("hit", "miss"):
+        PROMPT_CACHE.labels(service, outcome)
     declare_forward(service, ("prefill", "decode", "verify"))
 
 

@@ -173,7 +173,7 @@ class Error(Msg, tag="error"):
 
 
 class Ack(Msg, tag="ack"):
-    pass
+    cached_tokens: Size = 0   # a SpecOpen's Ack: prompt tokens whose KV the prefix cache held
 
 
 class Close(Msg, tag="close"):
@@ -269,6 +269,7 @@ class CloudTokens(Msg, tag="cloud_tokens"):
     done: bool = False
     finish_reason: str = ""
     logprobs: list[TokenLogprob] | None = None   # one per token, when CloudGenerate asked
+    cached_tokens: Size = 0   # prompt tokens whose KV the prefix cache held (on index 0)
 
 
 # --- dispatcher <-> verifier: speculative mode ----------------------------------------------
@@ -281,6 +282,7 @@ class SpecOpen(Msg, tag="spec_open"):
     stream: bool = False
     logprobs: TopLogprobs | None = None   # every VerifyResult carries its tokens' TokenLogprobs
     adopt: Annotated[str, msgspec.Meta(max_length=256)] = ""   # see ADOPT above
+    max_tokens: Size = 0   # tokens the request may generate, for the KV reservation (0: unknown)
 
 
 class DraftBatch(Msg, tag="draft_batch"):

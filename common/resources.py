@@ -247,3 +247,28 @@ def plan_services(services: Sequence[str], argv: dict[str, Sequence[str]] | None
         if str(getattr(cfg, "device", "cpu")).startswith("cuda"):
             gpu.add(name)
     return cores, plan(cores, services, gpu=gpu, threads=threads, pinned=pinned)
+
+
+def available_memory(device) -> int:
+    """Bytes a service could still allocate on `device` (a torch.device): a GPU's free memory,
+    else the lower of the machine's MemAvailable and what the cgroup's memory.max leaves."""
+    if getattr(device, "type", "cpu") == "cuda":
+        import torch
+
+        return int(torch.cuda.mem_get_info(device)[0])
+    avail = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+        if limit != "max":
+            left = int(limit) - used
+            avail = left if avail is None else min(avail, left)
+    except (OSError, ValueError):
+        pass
+    return avail if avail is not None else 4 << 30

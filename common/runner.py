@@ -45,6 +45,11 @@ Accuracy: transformers runs MKL, so logits differ from it by ~1e-4 (sums in anot
 much as transformers differs from itself between prefill and token-by-token decode. The
 kernel's products are independent of the batch: each output is one FMA chain over k whatever
 the tile, so a row gives the same bits alone or among any number of others (MKL's do not).
+With the whole-layer kernels (`chunk_invariant`) attention is too: a query's softmax visits its
+keys in one order with one lane blocking whatever number of later keys the call holds, so a
+prompt's K/V rows and logits have the same bits however its prefill was chunked
+(tests/unit/test_chunk_invariance.py), and the verifier's prefix cache hands out rows computed
+by another session.
 """
 
 from __future__ import annotations
@@ -180,6 +185,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
         return torch.cat((apply_rope(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
     half = rot // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def _first_key(p: int, window: int | None) -> int:
+    """The first key a call's attention reads for new tokens from position p: 0, or for a
+    sliding window the window's start rounded down to a multiple of 8 (the keys before it
+    masked), so a key's place in the kernel's 8-lane blocks is its position mod 8 however the
+    prompt was chunked (the softmax sum's bits depend on it)."""
+    if window is None:
+        return 0
+    first = max(0, p - window + 1)
+    return first - first % 8
 
 
 def _safetensors_index(model_dir: Path) -> dict[str, Path]:
@@ -332,6 +348,9 @@ class LayerRangeRunner:
             self._kernel_layers = kernels.LayerStack(self.layers, self.hidden_size, self.n_heads,
                                                      self.kv_heads, self.head_dim, self.eps,
                                                      self._kernel_scale)
+        # Whether a token's K/V rows and logits have the same bits however its prompt was
+        # chunked and batched (module doc): what lets the prefix cache reuse rows exactly.
+        self.chunk_invariant = self._kernel_layers is not None
 
     def _choose_gemm(self, gemm: str) -> str:
         """The products' implementation ('Matrix products', module doc): "panel" (this
@@ -538,8 +557,8 @@ class LayerRangeRunner:
     def _session_mask(self, p: int, n: int, window: int | None) -> tuple[int, torch.Tensor | None]:
         """For n new tokens at positions p..p+n-1: the first visible key and the mask over keys
         [first, p + n) (None when every one of them is visible to every query)."""
-        first = 0 if window is None else max(0, p - window + 1)
-        if n == 1:
+        first = _first_key(p, window)
+        if n == 1 and (window is None or first == max(0, p - window + 1)):
             return first, None
         keys = torch.arange(first, p + n, device=self.device)[None, :]
         queries = torch.arange(p, p + n, device=self.device)[:, None]
@@ -552,7 +571,7 @@ class LayerRangeRunner:
         """`_session_mask` for a tree segment: token i at position p + positions[i] sees every
         cached key (within the window) and the new tokens its `ancestors` row names."""
         pos = p + s.positions.to(self.device)
-        first = 0 if window is None else max(0, p - window + 1)
+        first = _first_key(p, window)
         cached = torch.arange(first, p, device=self.device)[None, :].expand(len(pos), -1)
         visible = torch.cat((cached <= pos[:, None], s.ancestors.to(self.device)), dim=1)
         if window is not None:

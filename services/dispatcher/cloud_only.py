@@ -55,6 +55,8 @@ async def _stream(req, adopt, handover: list, rec: recovery.Recovery, peer) -> N
             msg, _ = await rec.recv(ch)
             if not isinstance(msg, protocol.CloudTokens):
                 continue
+            if msg.index == 0:   # the prompt's rows the verifier's prefix cache held
+                req.stats.setdefault("cached_tokens", msg.cached_tokens)
             at = base + msg.index
             if at < len(req.tokens):
                 continue  # a duplicate of a token already streamed

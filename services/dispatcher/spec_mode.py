@@ -344,7 +344,8 @@ class SpecRun:
         adopt = self.adopt[1] if self.adopt and self.vpeer is self.adopt[0] else ""
         await self.vch.send(protocol.SpecOpen(sid=self.vsid, seq=OPEN_SEQ, token_ids=committed,
                                               sampling=req.sampling, stream=self.policy.stream,
-                                              logprobs=req.msg.logprobs, adopt=adopt))
+                                              logprobs=req.msg.logprobs, adopt=adopt,
+                                              max_tokens=max(1, req.max_tokens - len(req.tokens))))
         # One token wanted: it is the target's own (the last wanted position always is), so no
         # draft could be used and the drafter's prefill would be wasted edge work. It is opened
         # anyway when the request may have to go on from the drafter alone (allow_edge_only).
@@ -434,7 +435,8 @@ class SpecRun:
         await self.vch.send(protocol.SpecOpen(sid=self.vsid, seq=OPEN_SEQ,
                                               token_ids=self.rec.committed(),
                                               sampling=req.sampling, stream=self.policy.stream,
-                                              logprobs=req.msg.logprobs))
+                                              logprobs=req.msg.logprobs,
+                                              max_tokens=max(1, req.max_tokens - len(req.tokens))))
         await self.act(self.sm.verifier_lost())
 
     async def _reference(self) -> list[int]:
@@ -480,6 +482,7 @@ class SpecRun:
         if isinstance(msg, protocol.Ack):
             if msg.seq == OPEN_SEQ:
                 self.verifier_ready_s = time.monotonic() - self.req.start
+                self.req.stats.setdefault("cached_tokens", msg.cached_tokens)
             elif msg.seq in self.sent_at:
                 t, size = self.sent_at.pop(msg.seq)
                 self.edge.link.observe_round_trip(size, time.monotonic() - t)

@@ -43,6 +43,7 @@ class EngineSession(Session):
         self.kv.truncate(n)
         self.adopting = False
         return n
+        self.failed = False   # ended on a bug: its KV is not kept for the prefix cache
 
     def next_work(self, budget: int) -> Work | None:
         raise NotImplementedError
@@ -57,13 +58,20 @@ class EngineSession(Session):
         """Handle the step's logits; return the messages to send to the session's peer."""
         raise NotImplementedError
 
+    def cacheable(self) -> tuple[list[int], int]:
+        """(committed tokens, n): the first n rows of the KV cache hold tokens[:n] for good,
+        what the prefix cache may keep when the session ends."""
+        raise NotImplementedError
+
 
 class CloudSession(EngineSession):
     """Cloud-only generation: prefill (chunked), then autoregressive decode."""
 
-    def __init__(self, sid, ident, rid, seq, kv, req: protocol.CloudGenerate):
+    def __init__(self, sid, ident, rid, seq, kv, req: protocol.CloudGenerate, cached: int = 0):
         super().__init__(sid, ident, rid, seq, kv)
-        self.pending = list(req.token_ids)   # tokens not yet in the cache
+        self.prompt = list(req.token_ids)
+        self.cached = cached                       # prompt rows the prefix cache filled
+        self.pending = self.prompt[cached:]        # tokens not yet in the cache
         self.sampling = req.sampling
         self.max_tokens = req.max_tokens
         self.eos = req.eos_token_id
@@ -104,4 +112,9 @@ class CloudSession(EngineSession):
             self.closed = True
         return [protocol.CloudTokens(sid=self.sid, seq=self.seq, rid=self.rid,
                                      index=len(self.generated) - 1, token_ids=[token], done=done,
-                                     finish_reason=reason, logprobs=lps)]
+                                     finish_reason=reason, logprobs=lps,
+                                     cached_tokens=self.cached if len(self.generated) == 1 else 0)]
+
+    def cacheable(self) -> tuple[list[int], int]:
+        # the cache holds exactly the tokens fed so far: the prompt, then each sampled token
+        return self.prompt + self.generated, self.kv.length()

@@ -7,6 +7,11 @@ batches of different sessions share the projections and MLPs, each attending to 
 A session type decides what it feeds and what it does with the logits
 (services/verifier/engine.py: `CloudSession`; services/verifier/spec.py: `SpecSession`); this
 module is the I/O around them: admission, the handlers, and the loop.
+
+KV memory (services/verifier/prefix_cache.py): each new session reserves its KV within a byte
+budget, starting from the longest prefix of its prompt that a finished session left cached
+(exact: the rows have the bits a prefill would compute); a session that cannot fit is refused
+with `busy` before any work.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from common.runtime import Service, check_token_ids
 from services.verifier import spec_verify
 from services.verifier.config import VerifierConfig
 from services.verifier.engine import CloudSession, EngineSession, Work
+from services.verifier.prefix_cache import PrefixCache
 from services.verifier.spec import MAX_Q_WIDTH, SpecSession
 
 
@@ -33,6 +39,7 @@ class Verifier(Service):
         super().__init__(cfg, ctx)
         self.cfg: VerifierConfig = cfg
         self.runner = None
+        self.kv_cache: PrefixCache | None = None
         self.wakeup = asyncio.Event()
         self.route(protocol.CloudGenerate, self.on_cloud_generate)
         self.route(protocol.SpecOpen, self.on_spec_open)
@@ -53,7 +60,23 @@ class Verifier(Service):
         self.log.info("target %s loaded: %d layers, vocab %d", path, self.runner.num_layers,
                       self.vocab_size)
         metrics.declare_verifier(self.name)
+        c = self.prefix_cache()
+        self.log.info("KV budget %.2f GB (%d tokens); prefix cache %s", c.budget / 1e9,
+                      c.budget // c.row_bytes,
+                      "on" if c.enabled else "off" if not self.cfg.prefix_cache else
+                      "off: the runner's rows depend on chunking here (no CPU kernels)")
         self.spawn_loop("engine", self.engine_loop())
+
+    def prefix_cache(self) -> PrefixCache:
+        """The KV budget and prefix cache over this verifier's runner (made on first use)."""
+        if self.kv_cache is None:
+            from common.resources import available_memory
+
+            budget = self.cfg.kv_budget_bytes or available_memory(self.runner.device) // 2
+            self.kv_cache = PrefixCache(self.runner, budget,
+                                        self.cfg.prefix_cache and self.runner.chunk_invariant,
+                                        self.name)
+        return self.kv_cache
 
     # --- admission and handlers ----------------------------------------------------------------
     def add(self, session: EngineSession) -> None:
@@ -67,7 +90,29 @@ class Verifier(Service):
         sessions = self.sessions.values()
         queued = sum(len(getattr(s, "pending", None) or getattr(s, "prefill", None) or ())
                      for s in sessions)
-        return len(sessions), queued, sum(s.kv.nbytes() for s in sessions)
+        return len(sessions), queued, self.live_bytes()   # cached prefixes give way: not load
+
+    def live_bytes(self) -> int:
+        return sum(s.kv.nbytes() for s in self.sessions.values())
+
+    def open_kv(self, prompt: list[int], new_tokens: int):
+        """KV for a new session within the budget, holding the longest cached prefix of its
+        prompt: (kv, reused rows); `busy` / `too_large` when it cannot fit."""
+        kv, hit = self.prefix_cache().open(prompt, new_tokens, self.live_bytes())
+        self.report_kv()
+        return kv, hit
+
+    def report_kv(self) -> None:
+        metrics.KV_BYTES.labels(self.name).set(self.live_bytes() + self.prefix_cache().cached_bytes)
+
+    def session_dropped(self, s) -> None:
+        """A session ended (closed, reaped, or finished generating): its committed rows go to
+        the prefix cache, unless it ended on a bug (its state may be half-updated)."""
+        if isinstance(s, EngineSession) and not s.failed:
+            tokens, n = s.cacheable()
+            self.prefix_cache().put(tokens, s.kv, n)
+            self.prefix_cache().fit(self.live_bytes())
+        self.report_kv()
 
     def retried_open(self, ident: bytes, msg: Msg, kind: type) -> EngineSession | None:
         """Admission for an open; the session when `msg` repeats its open (its replies now go to
@@ -99,7 +144,11 @@ class Verifier(Service):
     async def on_cloud_generate(self, ident: bytes, msg: protocol.CloudGenerate, frames) -> None:
         if self.retried_open(ident, msg, CloudSession) is not None:
             return   # the stream goes on, to whoever asked last
-        s = CloudSession(msg.sid, ident, msg.rid, msg.seq, self.adopted_kv(ident, msg), msg)
+        if msg.adopt:   # the cache of the session it takes over (protocol ADOPT)
+            kv, hit = self.adopted_kv(ident, msg), 0
+        else:
+            kv, hit = self.open_kv(msg.token_ids, msg.max_tokens)
+        s = CloudSession(msg.sid, ident, msg.rid, msg.seq, kv, msg, cached=hit)
         s.adopting = bool(msg.adopt)
         self.add(s)
 
@@ -107,18 +156,24 @@ class Verifier(Service):
         old = self.retried_open(ident, msg, SpecSession)
         if old is not None:
             if old.prefilled:
-                await self.send(ident, protocol.Ack(sid=msg.sid, seq=msg.seq, rid=msg.rid))
+                await self.send(ident, old.open_ack())
             return
         protocol.check_sampling(msg.sampling, self.vocab_size)
-        s = SpecSession(msg.sid, ident, msg.rid, msg.seq, self.adopted_kv(ident, msg),
+        # room for what it may generate, and a tree round's nodes past the committed tokens
+        if msg.adopt:   # the cache of the session it takes over (protocol ADOPT)
+            kv, hit = self.adopted_kv(ident, msg), 0
+        else:
+            kv, hit = self.open_kv(msg.token_ids, (msg.max_tokens or self.cfg.kv_reserve_tokens)
+                                   + self.cfg.max_tree_nodes)
+        s = SpecSession(msg.sid, ident, msg.rid, msg.seq, kv,
                         list(msg.token_ids), msg.sampling, msg.stream and self.cfg.stream_verify,
                         self.vocab_size, self.limits.max_tokens,
                         max_tree_nodes=self.cfg.max_tree_nodes, max_tree_depth=self.cfg.max_tree_depth,
-                        logprobs=msg.logprobs)
+                        logprobs=msg.logprobs, cached=hit)
         s.adopting = bool(msg.adopt)
         self.add(s)
-        if s.prefilled:   # a one-token prompt: nothing to prefill
-            await self.send(ident, protocol.Ack(sid=msg.sid, seq=msg.seq, rid=msg.rid))
+        if s.prefilled:   # a one-token prompt, or every row cached: nothing to prefill
+            await self.send(ident, s.open_ack())
 
     def spec_session(self, ident: bytes, msg: Msg) -> SpecSession:
         s = self.sessions.get(msg.sid)
@@ -212,6 +267,7 @@ class Verifier(Service):
 
     async def end_session(self, s: EngineSession, what: str, exc: BaseException) -> None:
         """A bug while serving `s`: it alone ends, with `internal`; the loop goes on."""
+        s.failed = True
         await self.fail_session(s.ident, protocol.Close(sid=s.sid, seq=s.seq, rid=s.rid), what,
                                 exc)
 
@@ -245,7 +301,8 @@ class Verifier(Service):
                     await self.send(s.ident, reply)
                 if isinstance(s, CloudSession) and s.closed:
                     self.sessions.pop(s.sid)
-            metrics.KV_BYTES.labels(self.name).set(sum(s.kv.nbytes() for s in self.sessions.values()))
+                    self.session_dropped(s)
+            self.report_kv()
             await asyncio.sleep(0)  # let the socket deliver new work between steps
 
 

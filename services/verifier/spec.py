@@ -89,14 +89,16 @@ class SpecSession(EngineSession):
     def __init__(self, sid: str, ident: bytes, rid: int, seq: int, kv, prompt: list[int],
                  s: protocol.Sampling, stream: bool, vocab_size: int, max_stream: int = 4096,
                  max_tree_nodes: int = 64, max_tree_depth: int = 32,
-                 logprobs: int | None = None):
+                 logprobs: int | None = None, cached: int = 0):
         super().__init__(sid, ident, rid, seq, kv)
         self.sampling = s
         self.greedy = sampling.is_greedy(s)
         self.stream_verify = stream
         self.vocab_size = vocab_size
         self.max_stream = max_stream
-        self.prefill = list(prompt[:-1])
+        self.cached = cached                    # prompt rows the prefix cache filled
+        self.committed = list(prompt)           # prompt + every token committed since
+        self.prefill = list(prompt[cached:-1])
         self.prefilled = not self.prefill
         self.C = len(prompt)
         self.t_last = prompt[-1]
@@ -190,12 +192,20 @@ class SpecSession(EngineSession):
             if self.prefill:
                 return []
             self.prefilled = True
-            return [protocol.Ack(sid=self.sid, seq=self.seq, rid=self.rid)]
+            return [self.open_ack()]
         if work.ancestors is not None:
             return [self._commit_tree(logits), *self.resolve()]
         for i in range(logits.shape[0]):
             self._row(self.feed_from + i + 1, logits[i])
         return self.resolve()
+
+    def open_ack(self) -> protocol.Ack:
+        """The answer to the open, once the cache holds the prompt."""
+        return protocol.Ack(sid=self.sid, seq=self.seq, rid=self.rid, cached_tokens=self.cached)
+
+    def cacheable(self) -> tuple[list[int], int]:
+        # rows [0, C - 1) are committed tokens; later ones may be unverified drafts
+        return self.committed, min(self.kv.length(), self.C - 1)
 
     def _row(self, position: int, row: torch.Tensor) -> None:
         """A logits row for `position` arrived: decide the token there, or keep the row."""
@@ -258,6 +268,8 @@ class SpecSession(EngineSession):
                 and self.stream[o.end - self.C].guess and self.stream[o.end - self.C].token == o.token)
         early = r.nav_end is None
         lps = None if self.logprobs is None else [self.lps[p] for p in range(r.start, new_c)]
+        self.committed += [self.stream[p - self.C].token for p in range(self.C, o.end)]
+        self.committed.append(o.token)
         if kept:
             del self.stream[:new_c - self.C]
             self.decisions = {p: d for p, d in self.decisions.items() if p >= new_c}
@@ -298,6 +310,8 @@ class SpecSession(EngineSession):
                    for r, x in zip(row_of, emitted)]
         self.kv.move_rows([t.start + i for i in path], t.start)   # root token at start - 1
         end = t.start + len(path)
+        self.committed += [t.tokens[i] for i in path]
+        self.committed.append(token)
         o = Outcome(end, token, path == t.main_path())
         self.tree = None
         self.stream, self.decisions, self.lps = [], {}, {}

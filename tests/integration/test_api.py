@@ -152,6 +152,17 @@ def test_chat_multi_turn_greedy_equals_transformers(client, tokenizer, reference
     assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
 
 
+def test_a_repeated_conversation_reports_its_cached_prompt_tokens(client, tokenizer):
+    """The verifier's prefix cache kept the first answer's rows: the same conversation again
+    prefills only its last token (usage.prompt_tokens_details, as OpenAI reports it)."""
+    ids = chat_ids(tokenizer, CONVERSATION)
+    for _ in range(2):
+        r = client.chat.completions.create(model=MODEL, messages=CONVERSATION, max_tokens=4,
+                                           temperature=0)
+    assert r.usage.prompt_tokens == len(ids)
+    assert r.usage.prompt_tokens_details.cached_tokens == len(ids) - 1
+
+
 def test_completions_stream_with_usage_equals_transformers(client, tokenizer, reference):
     prompt = PROMPTS["plain"]
     chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=10,

@@ -133,6 +133,12 @@ class FakeKV:
     def truncate(self, n):
         del self.tokens[n:]
 
+    def reserve(self, a, b, n):
+        pass
+
+    def nbytes(self):
+        return 0
+
 
 def run_engine(s: SpecSession) -> list:
     """Run the engine loop for one session until it has no work; return its replies."""
@@ -314,7 +320,10 @@ def test_repeated_open_of_another_session_kind_is_refused():
     from services.verifier.engine import CloudSession
     from services.verifier.service import Verifier
 
-    class Runner:
+    class Runner:   # the shape the verifier's KV budget reads; rows that depend on chunking
+        num_layers, kv_heads, head_dim, dtype = 1, 1, 8, torch.float32
+        device, chunk_invariant = torch.device("cpu"), False
+
         def new_kv(self):
             return FakeKV()
 
