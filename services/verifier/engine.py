@@ -36,6 +36,7 @@ class EngineSession(Session):
         # still be appending to it, so what it holds is settled in the engine loop, between
         # forwards, by the first next_work (take_over)
         self.adopting = False
+        self.failed = False   # ended on a bug: its KV is not kept for the prefix cache
 
     def take_over(self, most: int) -> int:
         """Keep at most `most` of the adopted cache's tokens; returns how many were kept."""
@@ -43,7 +44,6 @@ class EngineSession(Session):
         self.kv.truncate(n)
         self.adopting = False
         return n
-        self.failed = False   # ended on a bug: its KV is not kept for the prefix cache
 
     def next_work(self, budget: int) -> Work | None:
         raise NotImplementedError

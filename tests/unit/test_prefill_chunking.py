@@ -11,7 +11,8 @@ from services.verifier.service import Verifier
 
 
 def cloud(sid: str, prompt: list[int], generated: list[int] = ()) -> CloudSession:
-    req = SimpleNamespace(token_ids=prompt, sampling=None, max_tokens=100, eos_token_id=None)
+    req = SimpleNamespace(token_ids=prompt, sampling=None, max_tokens=100, eos_token_id=None,
+                          logprobs=None)
     s = CloudSession(sid, b"", 0, 0, kv=None, req=req)
     s.generated = list(generated)
     return s

@@ -209,14 +209,3 @@ def _evictions() -> float:
     from prometheus_client import REGISTRY
 
     return REGISTRY.get_sample_value("tandem_kv_evictions_total", {"service": "verifier"}) or 0.0
-
-
-def test_the_api_reports_cached_prompt_tokens():
-    from api.app import Run
-
-    run = object.__new__(Run)
-    run.ids, run.tokens, run.stats = [5, 6, 7, 8], 3, {"cached_tokens": 2}
-    assert run.usage() == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7,
-                           "prompt_tokens_details": {"cached_tokens": 2}}
-    run.stats = {}
-    assert run.usage()["prompt_tokens_details"] == {"cached_tokens": 0}
