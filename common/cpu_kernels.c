@@ -9,10 +9,9 @@
  *
  * so a panel streams from memory as one contiguous run, and one k step is two 8-lane loads of
  * W and one broadcast of x per row. Why not MKL or oneDNN: for the row counts of decode,
- * ragged decode batches and verification (1-8 rows) their products read the weights at 12-17
- * GB/s on this project's 2-core AMD EPYC while a plain read streams 35 GB/s; this layout
- * reaches 25-29 GB/s for one row and stays ahead of oneDNN's prepacked weights up to 512 rows
- * (common/runner.py's module doc has the numbers).
+ * ragged decode batches and verification (1-9 rows) their products read the weights well below
+ * the machine's read bandwidth, while this layout streams each panel at close to it (the
+ * runner sections of docs/benchmarks.md have the measurements).
  *
  * Every output is one sequential FMA chain over k (no split sums, no horizontal reduction),
  * and a row's chain does not depend on which tile or how many other rows it was computed
@@ -34,10 +33,9 @@ void tdm_pack(const float* W, long N, long K, float* Wp, int threads) {
             }
 }
 
-/* k steps (64-byte lines of a panel) ahead that tiles of 3 or more rows prefetch. In an A/B of
- * this file with and without it (a decode step's products, 7 interleaved reps, AMD EPYC): 8
- * rows 29.9 vs 33.9 ms, 12 rows 34.8 vs 38.9; for 1-2 rows, memory-bound, where the hardware
- * prefetcher keeps up, prefetching cost 5-10 %, so they do without. */
+/* k steps (64-byte lines of a panel) ahead that tiles of 3 or more rows prefetch: those tiles
+ * are compute-bound and the hardware prefetcher falls behind them; 1-2 row tiles are
+ * memory-bound, the hardware prefetcher keeps up, and a software prefetch only costs them. */
 #define PREFETCH_K 16
 
 /* Rows [m0, m0 + MB) of x against panels [p0, p0 + NP) at one vector width: V vectors of
@@ -146,18 +144,14 @@ static double NAME(long iters, int threads) {                                   
  * 3 loads of W and a broadcast; AVX2's 16 ymm registers cannot, its widest is 6 rows by 1
  * panel), so up to 8 rows (a ragged decode batch of 8, an 8-token verification) share one pass
  * over the weights where AVX2's 6-row tiles read them twice. Three panels a tile rather than
- * two: 24 FMAs for every 11 loads instead of 16 for 10, and one tile a PANEL_CHUNK. A/B of a
- * decode step's products (random weights of SmolLM2's shapes), 9 interleaved reps, a 2-core
- * Intel Xeon VM (AVX-512, 20 GB/s), 7 x 2 and 8 x 2 tiles -> 7 x 3 and 8 x 3: 7 rows 32.3 ->
- * 30.2 ms, 8 rows 33.3 -> 30.0 (15 reps: 32.1 -> 28.7), 9 rows 43.5 -> 40.5, 16 rows 53.0 ->
- * 46.0, 33 rows 97.0 -> 80.8. Each output is the same sequential FMA chain as the AVX2
- * kernel's, so the two give the same bits (tests/unit/test_runner_gemm.py).
+ * two: 24 FMAs for every 11 loads instead of 16 for 10, and one tile a PANEL_CHUNK. Each
+ * output is the same sequential FMA chain as the AVX2 kernel's, so the two give the same bits
+ * (tests/unit/test_runner_gemm.py).
  * ------------------------------------------------------------------------------------------ */
 #pragma GCC push_options
 #pragma GCC target("avx512f")
 
-/* prefetching from 4 rows (the A/B above, 9 reps: 4 rows 33.3 -> 30.7 ms, 6 rows 34.3 ->
- * 30.7, 12 rows 41.0 -> 41.6) */
+/* AVX-512 tiles run from 4 rows, all of them compute-bound: they prefetch from 4 rows */
 #define KERNEL512(MB, NP) TILE(z, __m512, 16, 1, 4, _mm512_setzero_ps, _mm512_loadu_ps,          \
                                _mm512_storeu_ps, _mm512_set1_ps, _mm512_fmadd_ps, MB, NP)
 KERNEL512(1, 4) KERNEL512(1, 1) KERNEL512(2, 2) KERNEL512(2, 1) KERNEL512(3, 2) KERNEL512(3, 1)
@@ -168,10 +162,7 @@ KERNEL512(7, 3) KERNEL512(7, 1) KERNEL512(8, 3) KERNEL512(8, 1) KERNEL512(9, 3) 
  * one-panel tiles for what is left. 9 x 3 (27 accumulators, 3 loads of W, a broadcast: 31 of
  * the 32 zmm) is for 9 rows alone: a verification of 8 drafts feeds 9 (the last committed
  * token, then the drafts; services/verifier/spec.py), which as an 8-row tile and a 1-row tile
- * took two passes over each chunk of the weights. A/B of a decode step's products, 15
- * interleaved reps, a 2-core Intel Xeon VM (AVX-512, 20 GB/s), 8 x 3 + 1 x 3 -> 9 x 3: 9 rows
- * 39.6 -> 31.5 ms (8 rows, unchanged code, 30.9 -> 30.7); 9 x 2 tiles gained nothing (9 reps,
- * 1.01x). */
+ * would take two passes over each chunk of the weights. */
 static void block512(const float* x, long K, const float* Wp, long pa, long pb, long m0, long mb,
                      long N, const float* bias, float* y, long pf) {
     long p = pa;
@@ -192,8 +183,8 @@ FMA_PEAK(fma_peak512, __m512, 16, _mm512_set1_ps, _mm512_fmadd_ps, _mm512_add_ps
 #pragma GCC pop_options
 
 /* The instruction set the products use: 512 where the CPU has AVX-512F, else 256 (AVX2).
- * tdm_set_isa(256) forces AVX2 on an AVX-512 CPU (the tests compare the two, the bench A/Bs
- * them); it returns the width in use after the call. */
+ * tdm_set_isa(256) forces AVX2 on an AVX-512 CPU (the tests and `tandem bench runner` compare
+ * the two); it returns the width in use after the call. */
 static int isa_width = 0;
 
 int tdm_isa(void) {
@@ -207,8 +198,8 @@ int tdm_set_isa(int width) {
 }
 
 #define PANEL_CHUNK 3    /* panels a thread keeps in L2 while every full-row block passes (3 x
-                          * 1536 k x 64 B = 295 KB for the widest SmolLM2 product; 3 beat 4 and
-                          * 6 by 2-6 % on 7-16 rows) */
+                          * 1536 k x 64 B = 295 KB for the widest SmolLM2 product: well inside
+                          * a core's L2, with room for x and the prefetched next chunk) */
 
 /* `threads` is the caller's (torch's) thread count: the OpenMP runtime is torch's own
  * (common/cpu_kernels.py loads this library after torch), so this shares its thread pool. */
@@ -218,15 +209,8 @@ void tdm_linear(const float* x, long M, long K, const float* Wp, long N, const f
     if (threads > P) threads = (int)P;
     /* AVX-512 from 4 rows on: its 8-row tiles read the weights once for a batch of 7-8 rows
      * (AVX2 reads them twice: a 6-row tile and the rest), and its 4-6 row tiles cover three
-     * panels where AVX2's cover one. A/B of a decode step's products, 11 interleaved reps, a
-     * 2-core Intel Xeon VM (AVX-512, 20 GB/s), AVX2 -> AVX-512 x 3 tiles (without prefetch): 4
-     * rows 40.2 -> 33.5 ms, 6 rows 43.0 -> 35.8; 1-3 rows stay AVX2 (2-3 rows measured within
-     * the noise). Not measured on Zen 4, where 4 x 2 - 6 x 2 tiles were 7-11 % slower than
-     * AVX2 (below). The earlier A/B, from 7 rows, 7 interleaved reps, a 2-core AMD EPYC (Zen
-     * 4) VM, AVX2 -> AVX-512 (8 x 2 tiles): 7 rows 25.9 -> 22.5 ms, 8 rows 26.2 -> 23.0, 9 rows
-     * 29.3 -> 28.3, 12 rows 30.8 -> 30.5, 16 rows 40.3 -> 41.2, 32 rows 59.0 -> 54.9; AVX-512
-     * for 4-6 rows (4 x 2, 5 x 2, 6 x 2 tiles) was 7-11 % slower in an earlier run, 1-2 rows
-     * the same. */
+     * panels where AVX2's cover one. 1-3 rows are memory-bound and stay AVX2: wider vectors
+     * do not read memory faster. */
     int wide = M >= 4 && tdm_isa() == 512;
     long mb_max = wide ? (M == 9 ? 9 : 8) : 6;   /* rows per tile (9: block512's comment) */
     void (*blk)(const float*, long, const float*, long, long, long, long, long, const float*,
@@ -240,17 +224,12 @@ void tdm_linear(const float* x, long M, long K, const float* Wp, long N, const f
             long ce = c + step < pb ? c + step : pb;
             /* past one tile of rows, the remainder tile passes first: its pass is memory-bound
              * and streams the chunk from DRAM at the hardware prefetcher's pace, then the full
-             * tiles, compute-bound, run from L2. Full tiles first, their pass streamed the
-             * chunk more slowly (A/B of a decode step's products, 9 interleaved reps, a 2-core
-             * Intel Xeon VM with 2 MB L2 a core, AVX2: 8 rows 38.1 -> 34.1 ms, 9 rows 40.7 ->
-             * 37.6, 7 rows -4 %, 10 and 12 rows unchanged). Every output is the same FMA chain
-             * either way. */
+             * tiles, compute-bound, run from L2 (a compute-bound pass first would stream the
+             * chunk more slowly). Every output is the same FMA chain either way. */
             long rem = M > mb_max ? M % mb_max : 0, full = M - rem;
             /* the first full tile's pass (compute-bound, from L2) prefetches the next chunk
-             * into L2, so every pass but a thread's first runs from L2 while memory streams:
-             * A/B of a decode step's products, 7 interleaved reps, a 2-core AMD EPYC (Zen 1)
-             * VM, AVX2, without -> with: 7 rows 52.2 -> 39.1 ms, 8 rows 50.2 -> 45.7, 9 rows
-             * 58.5 -> 46.4, 12 rows 64.0 -> 63.6; 1-6 rows (one pass, no chunks) unchanged */
+             * into L2, so every pass but a thread's first runs from L2 while memory streams
+             * (1-6 rows take one pass, with no chunks to prefetch) */
             long pf = ce < pb && M > mb_max ? ce - c : 0;
             if (rem)
                 blk(x, K, Wp, c, ce, full, rem, N, bias, y, 0);
@@ -369,10 +348,7 @@ void tdm_silu_mul(const float* gu, long T, long inter, float* y, int threads) {
  * For a ragged batch the rows come from memory (each session's own cache); a head at a time,
  * the first head's passes streamed them with little arithmetic per byte and the others re-read
  * them from cache. The max over the scores runs 8 lanes at a time (exact in any order; the
- * scalar loop's serial chain took ~8 % of attention). A/B of 30 layers' attention, 15
- * interleaved reps, a 2-core Intel Xeon VM (AVX-512, 20 GB/s), a head at a time with a scalar
- * max -> this: 8 sessions at 128-149 tokens 9.01 -> 7.71 ms, one session verifying 8 tokens
- * 4.01 -> 3.76, decoding one 1.50 -> 1.20; the same bits. */
+ * scalar loop is one long dependency chain, for no gain in exactness). */
 #define PF_KEYS 8
 static inline __attribute__((always_inline)) void attend_heads(
         const float* q, const float* K, const float* V, long S, long hd,

@@ -181,7 +181,7 @@ def isa() -> int:
 
 def set_isa(width: int) -> int:
     """Use `width` (256 or 512) for the products from now on, where the CPU allows; returns the
-    width in use. Both give the same bits; the tests compare them and the bench A/Bs them."""
+    width in use. Both give the same bits; the tests and the bench compare them."""
     return _lib.tdm_set_isa(width)
 
 
