@@ -49,6 +49,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -64,6 +65,19 @@ _ARGUMENTS = {"sampling.temperature": "temperature", "sampling.top_k": "top_k",
               "deadline_s": "deadline_s"}
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5550"
+
+
+def _constraint(c) -> protocol.Constraint | None:
+    """A Constraint, or the same as a {"kind", "value"} dict."""
+    if c is None or isinstance(c, protocol.Constraint):
+        return c
+    if isinstance(c, dict) and set(c) <= {"kind", "value"} and "kind" in c:
+        try:
+            return msgspec.convert(c, protocol.Constraint)
+        except msgspec.ValidationError as e:
+            raise error_from_code(protocol.BAD_FIELD, f"constraint: {e}", "constraint") from None
+    raise error_from_code(protocol.BAD_FIELD, "constraint: a protocol.Constraint or a "
+                          "{\"kind\", \"value\"} dict", "constraint")
 DEFAULT_MAX_RETRIES = 2        # as openai-python
 RETRY_INITIAL_S = 0.5          # first backoff; doubles per retry (openai-python's schedule)
 RETRY_MAX_S = 8.0              # backoff cap
@@ -246,7 +260,8 @@ class AsyncClient:
                  policy_knobs: dict[str, float] | None = None,
                  max_retries: int | None = None,
                  sampling_coupling: str | None = None,
-                 logprobs: int | None = None) -> AsyncStream:
+                 logprobs: int | None = None,
+                 constraint: protocol.Constraint | None = None) -> AsyncStream:
         """Stream a generation of `prompt` (text or token ids) or of `messages` (a conversation,
         [{"role", "content"}], through the target's chat template). `end_client`: the end client
         a gateway sends this for (the dispatcher's per-client limits count it separately).
@@ -256,6 +271,9 @@ class AsyncClient:
         `logprobs`: 0..20, each token's log-probability under the target (log_softmax of its raw
         logits, before temperature) and that many most likely alternatives, in Chunk.logprobs
         and Result.logprobs; None = none (nothing is computed).
+        `constraint`: the output is a JSON object, an instance of a JSON schema or a match of a
+        regular expression (protocol.Constraint(kind="json_object" | "json_schema" | "regex",
+        value=schema JSON text or pattern)), exactly in every mode; needs stop_at_eos.
         Returns an AsyncStream; its `result` (and `self.last_result`) holds the whole result
         once it ended normally."""
         args = dict(prompt=prompt, messages=messages, mode=mode, max_tokens=max_tokens,
@@ -263,7 +281,8 @@ class AsyncClient:
                     cut=cut, chat=chat, deadline_s=deadline_s, stop_at_eos=stop_at_eos,
                     allow_edge_only=allow_edge_only, nav_thresholds=nav_thresholds,
                     end_client=end_client, policy_knobs=policy_knobs,
-                    sampling_coupling=sampling_coupling, logprobs=logprobs)
+                    sampling_coupling=sampling_coupling, logprobs=logprobs,
+                    constraint=constraint)
         retries = self.max_retries if max_retries is None else _check_retries(max_retries)
         return AsyncStream(self, args, retries)
 
@@ -284,9 +303,14 @@ class AsyncClient:
                                        coupling=a["sampling_coupling"]),
             deadline_s=deadline, allow_edge_only=a["allow_edge_only"],
             nav_thresholds=None if nav is None else [float(r) for r in nav],
-            client=a["end_client"], logprobs=a["logprobs"],
+            client=a["end_client"], logprobs=a["logprobs"], constraint=_constraint(a["constraint"]),
             policy_knobs=None if a["policy_knobs"] is None else {
                 str(k): float(v) for k, v in a["policy_knobs"].items()})
+        c = msg.constraint
+        if c is not None and len(c.value) > self.limits.max_constraint_bytes:
+            raise error_from_code(protocol.TOO_LARGE, f"constraint: {len(c.value)} characters "
+                                  f"over the limit of {self.limits.max_constraint_bytes} "
+                                  f"(max_constraint_bytes)", "constraint")
         try:   # the wire's own rules, before anything leaves: NaN, inf, out-of-range values
             protocol.check(msg)
         except protocol.ProtocolError as e:

@@ -36,7 +36,8 @@ async def _stream(req, rec: recovery.Recovery, peer) -> None:
     try:
         await ch.send(protocol.CloudGenerate(
             sid=sid, seq=1, token_ids=rec.committed(), max_tokens=req.max_tokens - base,
-            sampling=req.sampling, eos_token_id=req.eos, logprobs=req.msg.logprobs))
+            sampling=req.sampling, eos_token_id=req.eos, logprobs=req.msg.logprobs,
+            **req.constraint_fields()))
         while True:
             msg, _ = await rec.recv(ch)
             if not isinstance(msg, protocol.CloudTokens):

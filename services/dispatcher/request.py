@@ -73,6 +73,13 @@ class Request:
         self.cancelled = asyncio.Event()
         self.detok = Detokenizer(d.tokenizer)
 
+    def constraint_fields(self) -> dict:
+        """The output constraint as a service's open message carries it: the constraint and
+        where the output starts in the committed tokens (after the prompt)."""
+        if self.msg.constraint is None:
+            return {}
+        return {"constraint": self.msg.constraint, "constrained_from": len(self.prompt_ids)}
+
     @property
     def done(self) -> bool:
         return bool(self.finish_reason)

@@ -198,7 +198,12 @@ class Spec:
         not have, are a bad field."""
         s = msgspec.structs.replace(msg.sampling, coupling=msg.sampling.coupling
                                     or d.cfg.sampling_coupling)
-        check_knobs(check_policy(self.policy(d, msg), s), msg.policy_knobs)
+        policy = check_policy(self.policy(d, msg), s)
+        check_knobs(policy, msg.policy_knobs)
+        if msg.constraint is not None and policy.tree:
+            raise ProtocolError(protocol.BAD_FIELD, f"constraint: policy {policy.name!r} drafts "
+                                f"token trees, which are not verified under a constraint; use a "
+                                f"chain policy (pipesd, vanilla, ...)", field="constraint")
 
     def policy(self, d, msg) -> str:
         return msg.policy or d.cfg.spec.policy
@@ -322,7 +327,8 @@ class SpecRun:
         self._reader(self.vch, self.vsrc)
         await self.vch.send(protocol.SpecOpen(sid=self.vsid, seq=OPEN_SEQ, token_ids=req.prompt_ids,
                                               sampling=req.sampling, stream=self.policy.stream,
-                                              logprobs=req.msg.logprobs))
+                                              logprobs=req.msg.logprobs,
+                                              **req.constraint_fields()))
         # One token wanted: it is the target's own (the last wanted position always is), so no
         # draft could be used and the drafter's prefill would be wasted edge work. It is opened
         # anyway when the request may have to go on from the drafter alone (allow_edge_only).
@@ -339,7 +345,7 @@ class SpecRun:
                 sid=req.sid, seq=OPEN_SEQ, token_ids=req.prompt_ids, sampling=req.sampling,
                 top_k=self.cfg.spec.q_width, max_tokens=req.max_tokens,
                 tree_nodes=self._tree_nodes() if self.policy.tree else 0,
-                features=self.policy.trigger == "pipesd-learned"))
+                features=self.policy.trigger == "pipesd-learned", **req.constraint_fields()))
         elif wants_drafter:
             log.warning("drafter at %s is down: %s goes on with the target alone",
                         d.drafter.endpoint, req.sid)
@@ -403,7 +409,8 @@ class SpecRun:
         await self.vch.send(protocol.SpecOpen(sid=self.vsid, seq=OPEN_SEQ,
                                               token_ids=self.rec.committed(),
                                               sampling=req.sampling, stream=self.policy.stream,
-                                              logprobs=req.msg.logprobs))
+                                              logprobs=req.msg.logprobs,
+                                              **req.constraint_fields()))
         await self.act(self.sm.verifier_lost())
 
     async def _reference(self) -> list[int]:
@@ -415,7 +422,8 @@ class SpecRun:
             await ch.send(protocol.CloudGenerate(sid=f"{req.sid}-oracle", seq=OPEN_SEQ,
                                                  token_ids=req.prompt_ids,
                                                  max_tokens=req.max_tokens,
-                                                 sampling=req.sampling))
+                                                 sampling=req.sampling,
+                                                 **req.constraint_fields()))
             while len(out) < req.max_tokens:
                 msg, _ = await ch.recv(timeout=max(0.001, req.remaining()))
                 if isinstance(msg, protocol.CloudTokens) and msg.index == len(out):
@@ -688,7 +696,8 @@ class SpecRun:
         self.last_v = time.monotonic()
         await self.vch.send(protocol.SpecOpen(sid=self.vsid, seq=OPEN_SEQ, token_ids=committed,
                                               sampling=req.sampling, stream=self.policy.stream,
-                                              logprobs=req.msg.logprobs))
+                                              logprobs=req.msg.logprobs,
+                                              **req.constraint_fields()))
         await self.act(self.sm.resync(len(committed), committed[-1]))
 
     # --- teardown -------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import time
 import numpy as np
 import torch
 
-from common import metrics, protocol, sampling
+from common import constraint, metrics, protocol, sampling
 from common.protocol import Msg, ProtocolError
 from common.runtime import Service, check_token_ids
 from services.verifier import spec_verify
@@ -50,6 +50,7 @@ class Verifier(Service):
             LayerRangeRunner, path, None, dtype, self.cfg.threads or None,
             device=self.cfg.device)
         self.vocab_size = self.runner.vocab_size
+        self.target_path = str(path)
         self.log.info("target %s loaded: %d layers, vocab %d", path, self.runner.num_layers,
                       self.vocab_size)
         metrics.declare_verifier(self.name)
@@ -81,10 +82,23 @@ class Verifier(Service):
         old.ident, old.rid = ident, msg.rid
         return old
 
+    async def matcher(self, msg) -> constraint.Matcher | None:
+        """The open message's output constraint, advanced over the output it already has (a
+        replay's); None without one. A constraint that does not compile is BAD_FIELD."""
+        if msg.constraint is None:
+            return None
+        tok = await asyncio.to_thread(constraint.hf_tokenizer, self.target_path, self.vocab_size)
+        m = constraint.Matcher(tok, msg.constraint, self.vocab_size)
+        start = len(msg.token_ids) if msg.constrained_from is None else msg.constrained_from
+        m.advance(list(msg.token_ids[start:]))
+        return m
+
     async def on_cloud_generate(self, ident: bytes, msg: protocol.CloudGenerate, frames) -> None:
         if self.retried_open(ident, msg, CloudSession) is not None:
             return   # the stream goes on, to whoever asked last
-        self.add(CloudSession(msg.sid, ident, msg.rid, msg.seq, self.runner.new_kv(), msg))
+        matcher = await self.matcher(msg)
+        self.add(CloudSession(msg.sid, ident, msg.rid, msg.seq, self.runner.new_kv(), msg,
+                              matcher))
 
     async def on_spec_open(self, ident: bytes, msg: protocol.SpecOpen, frames) -> None:
         old = self.retried_open(ident, msg, SpecSession)
@@ -93,11 +107,12 @@ class Verifier(Service):
                 await self.send(ident, protocol.Ack(sid=msg.sid, seq=msg.seq, rid=msg.rid))
             return
         protocol.check_sampling(msg.sampling, self.vocab_size)
+        matcher = await self.matcher(msg)
         s = SpecSession(msg.sid, ident, msg.rid, msg.seq, self.runner.new_kv(),
                         list(msg.token_ids), msg.sampling, msg.stream and self.cfg.stream_verify,
                         self.vocab_size, self.limits.max_tokens,
                         max_tree_nodes=self.cfg.max_tree_nodes, max_tree_depth=self.cfg.max_tree_depth,
-                        logprobs=msg.logprobs)
+                        logprobs=msg.logprobs, matcher=matcher)
         self.add(s)
         if s.prefilled:   # a one-token prompt: nothing to prefill
             await self.send(ident, protocol.Ack(sid=msg.sid, seq=msg.seq, rid=msg.rid))
@@ -220,6 +235,10 @@ class Verifier(Service):
                     continue
                 try:
                     replies = s.consume(work, logits)
+                except ProtocolError as e:   # the constraint allows no token: the request ends
+                    await self.end_constrained(s.ident, protocol.Close(sid=s.sid, seq=s.seq,
+                                                                       rid=s.rid), e)
+                    continue
                 except Exception as e:  # noqa: BLE001 - sampling, a malformed round, ...
                     await self.end_session(s, "sampling and verification", e)
                     continue
