@@ -58,6 +58,7 @@ import ctypes
 import math
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -188,8 +189,10 @@ class DraftModel:
         with self.lock:
             if self._ll_tokenizer is None:
                 import llguidance.llamacpp
-                self._ll_tokenizer = llguidance.llamacpp.lltokenizer_from_vocab(
-                    self.vocab, n_vocab=self.n_vocab)
+                with warnings.catch_warnings():   # it reads token attributes by a deprecated name
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    self._ll_tokenizer = llguidance.llamacpp.lltokenizer_from_vocab(
+                        self.vocab, n_vocab=self.n_vocab)
             return self._ll_tokenizer
 
     def take(self, key: tuple, head: list[int]) -> tuple[_Context, int]:

@@ -280,3 +280,130 @@ def test_logprobs_are_the_targets_raw_log_softmax(stack, ids, reference, hf_mode
         assert max(abs(a - b) for a, b in zip(lp.top_logprobs, top)) < 1e-4, j
         assert max(abs(v - float(want[j, i])) for i, v in zip(lp.top_ids, lp.top_logprobs)) \
             < 1e-4, j
+
+
+# --- constrained output (common/constraint.py) ---------------------------------------------------
+# The reference is transformers' generate(do_sample=False) with a LogitsProcessor written here on
+# llguidance's own matcher (not Tandem's wrapper): -inf outside its bitmask at every step.
+
+PERSON = {"type": "object", "additionalProperties": False,
+          "properties": {"name": {"type": "string", "maxLength": 12},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "role": {"enum": ["admin", "user", "guest"]}},
+          "required": ["name", "age", "role"]}
+PRODUCT = {"type": "object", "additionalProperties": False,
+           "properties": {"sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{3}$"},
+                          "in_stock": {"type": "boolean"},
+                          "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]},
+                                   "maxItems": 2},
+                          "price": {"type": "object", "additionalProperties": False,
+                                    "properties": {"amount": {"type": "integer", "minimum": 0,
+                                                              "maximum": 999},
+                                                   "currency": {"enum": ["USD", "EUR"]}},
+                                    "required": ["amount", "currency"]}},
+           "required": ["sku", "in_stock", "tags", "price"]}
+SCHEMA_PROMPTS = [(PERSON, "Give a JSON record for a user named Ada, 36 years old, an admin."),
+                  (PRODUCT, "Describe a red mug that costs 12 dollars as JSON.")]
+CN = 64
+
+
+class LLGuidanceProcessor:
+    """A transformers LogitsProcessor: the logits outside llguidance's mask set to -inf."""
+
+    def __init__(self, tokenizer, schema: dict, prompt_len: int, vocab: int):
+        import llguidance
+        import llguidance.hf
+
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(
+            schema, defaults={"whitespace_flexible": False})
+        self.m = llguidance.LLMatcher(llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab),
+                                      grammar)
+        self.prompt_len, self.vocab = prompt_len, vocab
+
+    def __call__(self, input_ids, scores):
+        import numpy as np
+        import torch
+
+        out = input_ids[0, self.prompt_len:].tolist()
+        if out:
+            assert self.m.consume_token(out[-1]), self.m.get_error()
+        bits = np.frombuffer(self.m.compute_bitmask(), dtype=np.uint8)
+        allowed = np.unpackbits(bits, bitorder="little")[:self.vocab].astype(bool)
+        return scores.masked_fill(~torch.from_numpy(allowed)[None, :scores.shape[-1]],
+                                  float("-inf"))
+
+
+@pytest.fixture(scope="module")
+def constrained(tokenizer, hf_model):
+    """[(schema, prompt ids, the constrained reference)] for SCHEMA_PROMPTS."""
+    import torch
+    from transformers import LogitsProcessorList
+
+    cases = []
+    for schema, text in SCHEMA_PROMPTS:
+        chat_text = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                  add_generation_prompt=True, tokenize=False)
+        p = tokenizer.encode(chat_text, add_special_tokens=False)
+        x = torch.tensor([p])
+        proc = LLGuidanceProcessor(tokenizer, schema, len(p), hf_model.config.vocab_size)
+        with torch.inference_mode():
+            out = hf_model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=CN,
+                                    do_sample=False, logits_processor=LogitsProcessorList([proc]),
+                                    eos_token_id=tokenizer.eos_token_id,
+                                    pad_token_id=tokenizer.eos_token_id)
+        cases.append((schema, p, out[0, len(p):].tolist()))
+    return cases
+
+
+def _valid(tokenizer, schema: dict, token_ids: list[int]) -> None:
+    import json
+
+    import jsonschema
+    jsonschema.validate(json.loads(tokenizer.decode(token_ids, skip_special_tokens=True)), schema)
+
+
+@pytest.mark.parametrize("mode,kw", [("cloud-only", {}), ("spec", {"policy": "pipesd"}),
+                                     ("split", {"cut": 8})])
+def test_constrained_output_equals_transformers_with_the_mask(stack, tokenizer, constrained,
+                                                             mode, kw):
+    import json
+
+    from common.protocol import Constraint
+    runs = stack.complete_many([(list(p), dict(max_tokens=CN, deadline_s=120, mode=mode,
+                                               constraint=Constraint("json_schema",
+                                                                     json.dumps(schema)), **kw))
+                                for schema, p, _ in constrained])
+    for (schema, _, want), r in zip(constrained, runs):
+        assert r.token_ids == want
+        assert r.finish_reason == "eos"
+        _valid(tokenizer, schema, r.token_ids)
+        if mode == "spec":   # the drafter drafted under the mask: its drafts were mostly taken
+            assert r.stats["draft_tokens"] >= 1 and r.stats["acceptance_rate"] >= 0.5, r.stats
+
+
+def test_unmasked_drafts_are_rejected_and_the_output_stays_exact(stack, tokenizer, constrained,
+                                                                monkeypatch):
+    """A drafter that drafts without the mask (drafts outside it have p' = 0): the verifier
+    rejects them and the output is still the target's constrained decoding."""
+    import json
+
+    from common.protocol import Constraint
+    from services.drafter.engine import DraftSession
+    monkeypatch.setattr(DraftSession, "_masked", lambda self, logits: logits)
+    schema, p, want = constrained[1]
+    r = stack.complete(list(p), max_tokens=CN, deadline_s=120, mode="spec", policy="vanilla",
+                       constraint=Constraint("json_schema", json.dumps(schema)))
+    assert r.token_ids == want and r.stats["draft_tokens"] >= 1
+
+
+def test_a_constraint_refused_by_the_library_or_on_token_trees_is_a_bad_field(stack, ids):
+    from common.protocol import Constraint
+    from tandem.errors import InvalidRequest
+    bad = [(Constraint("json_schema", '{"type": "object", "properties": {"a": {"$ref": '
+                                      '"#/nowhere"}}}'), {}),
+           (Constraint("regex", "(unclosed"), {}),
+           (Constraint("json_object"), {"mode": "spec", "policy": "tree"})]
+    for c, kw in bad:
+        with pytest.raises(InvalidRequest) as e:
+            stack.complete(list(ids[0]), max_tokens=4, constraint=c, **kw)
+        assert e.value.field == "constraint", e.value
