@@ -283,8 +283,7 @@ def test_logprobs_are_the_targets_raw_log_softmax(stack, ids, reference, hf_mode
 
 
 # --- constrained output (common/constraint.py) ---------------------------------------------------
-# The reference is transformers' generate(do_sample=False) with a LogitsProcessor written here on
-# llguidance's own matcher (not Tandem's wrapper): -inf outside its bitmask at every step.
+# The reference: transformers with llguidance's own mask (tests/conftest.constrained_reference).
 
 PERSON = {"type": "object", "additionalProperties": False,
           "properties": {"name": {"type": "string", "maxLength": 12},
@@ -307,51 +306,15 @@ SCHEMA_PROMPTS = [(PERSON, "Give a JSON record for a user named Ada, 36 years ol
 CN = 64
 
 
-class LLGuidanceProcessor:
-    """A transformers LogitsProcessor: the logits outside llguidance's mask set to -inf."""
-
-    def __init__(self, tokenizer, schema: dict, prompt_len: int, vocab: int):
-        import llguidance
-        import llguidance.hf
-
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(
-            schema, defaults={"whitespace_flexible": False})
-        self.m = llguidance.LLMatcher(llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab),
-                                      grammar)
-        self.prompt_len, self.vocab = prompt_len, vocab
-
-    def __call__(self, input_ids, scores):
-        import numpy as np
-        import torch
-
-        out = input_ids[0, self.prompt_len:].tolist()
-        if out:
-            assert self.m.consume_token(out[-1]), self.m.get_error()
-        bits = np.frombuffer(self.m.compute_bitmask(), dtype=np.uint8)
-        allowed = np.unpackbits(bits, bitorder="little")[:self.vocab].astype(bool)
-        return scores.masked_fill(~torch.from_numpy(allowed)[None, :scores.shape[-1]],
-                                  float("-inf"))
-
-
 @pytest.fixture(scope="module")
-def constrained(tokenizer, hf_model):
+def constrained(tokenizer, constrained_reference):
     """[(schema, prompt ids, the constrained reference)] for SCHEMA_PROMPTS."""
-    import torch
-    from transformers import LogitsProcessorList
-
     cases = []
     for schema, text in SCHEMA_PROMPTS:
         chat_text = tokenizer.apply_chat_template([{"role": "user", "content": text}],
                                                   add_generation_prompt=True, tokenize=False)
         p = tokenizer.encode(chat_text, add_special_tokens=False)
-        x = torch.tensor([p])
-        proc = LLGuidanceProcessor(tokenizer, schema, len(p), hf_model.config.vocab_size)
-        with torch.inference_mode():
-            out = hf_model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=CN,
-                                    do_sample=False, logits_processor=LogitsProcessorList([proc]),
-                                    eos_token_id=tokenizer.eos_token_id,
-                                    pad_token_id=tokenizer.eos_token_id)
-        cases.append((schema, p, out[0, len(p):].tolist()))
+        cases.append((schema, p, constrained_reference(p, schema, CN)))
     return cases
 
 
@@ -407,3 +370,23 @@ def test_a_constraint_refused_by_the_library_or_on_token_trees_is_a_bad_field(st
         with pytest.raises(InvalidRequest) as e:
             stack.complete(list(ids[0]), max_tokens=4, constraint=c, **kw)
         assert e.value.field == "constraint", e.value
+
+
+@pytest.mark.parametrize("mode,kw", [("cloud-only", {}), ("spec", {"policy": "pipesd"}),
+                                     ("split", {"cut": 8})])
+def test_a_constraint_that_allows_no_token_ends_the_request_with_its_error(stack, ids, mode, kw,
+                                                                          monkeypatch):
+    """Every service's mask finds no allowed token: the request ends at once with the
+    `constraint` error (the drafter drafts unmasked; the target's services refuse)."""
+    from common import constraint, protocol
+    from common.protocol import Constraint
+    from tandem.errors import InvalidRequest
+
+    def nothing_allowed(self):
+        raise protocol.ProtocolError(protocol.CONSTRAINT, "the regex constraint allows no next "
+                                     "token", field="constraint")
+    monkeypatch.setattr(constraint.Matcher, "mask", nothing_allowed)
+    with pytest.raises(InvalidRequest) as e:
+        stack.complete(list(ids[0]), max_tokens=8, deadline_s=60, mode=mode,
+                       constraint=Constraint("regex", "[a-z]+"), **kw)
+    assert e.value.code == protocol.CONSTRAINT and "allows no next token" in e.value.message
