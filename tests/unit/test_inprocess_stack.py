@@ -390,3 +390,37 @@ def test_a_constraint_that_allows_no_token_ends_the_request_with_its_error(stack
         stack.complete(list(ids[0]), max_tokens=8, deadline_s=60, mode=mode,
                        constraint=Constraint("regex", "[a-z]+"), **kw)
     assert e.value.code == protocol.CONSTRAINT and "allows no next token" in e.value.message
+
+
+@pytest.mark.parametrize("mode,role,kw", [("cloud-only", "verifier", {}),
+                                          ("spec", "verifier", {"policy": "pipesd"}),
+                                          ("split", "suffix", {"cut": 8})])
+def test_a_constrained_session_replayed_mid_output_resumes_its_constraint(
+        stack, tokenizer, constrained, mode, role, kw):
+    """The replica stops after the first tokens: the replay opens with the output so far, the
+    new replica's matcher advances over it, and the output is still the constrained reference."""
+    import json
+
+    from common.protocol import Constraint
+    schema, p, want = constrained[1]
+
+    async def go(s):
+        names = [name for name in s.services if name.split("-")[0] == role]
+        async with s.client() as c:
+            tokens, stopped = [], None
+            async for chunk in c.generate(list(p), mode=mode, max_tokens=CN, deadline_s=120,
+                                          constraint=Constraint("json_schema", json.dumps(schema)),
+                                          **kw):
+                tokens += chunk.token_ids
+                if stopped is None and len(tokens) >= 4:
+                    holding = [m for m in names if len(s.services[m].sessions)]
+                    stopped = holding[0]
+                    await s.stop(stopped)
+            return tokens, c.last_result, stopped
+    tokens, result, stopped = stack.call(go)
+    try:
+        assert tokens == want
+        assert result.stats.get("recoveries", 0) >= 1, result.stats
+        _valid(tokenizer, schema, tokens)
+    finally:
+        stack.call(lambda s: s.start(stopped))
