@@ -108,7 +108,7 @@ async def generate(sample, modes, max_tokens: int) -> list[dict]:
                                          constraint=Constraint("json_schema", text))
                     out = tok.decode(r.token_ids, skip_special_tokens=True)
                     finished = r.finish_reason == "eos"
-                    rows.append({"url": url, "mode": mode, "tokens": r.token_ids,
+                    rows.append({"url": url, "mode": mode, "tokens": r.token_ids, "text": out,
                                  "seconds": time.perf_counter() - t, "finished": finished,
                                  "valid": valid(out, schema) if finished else None,
                                  "acceptance": r.stats.get("acceptance_rate")})
@@ -170,6 +170,8 @@ def main(argv=None) -> None:
             summary[mode]["acceptance_mean"] = sum(acc) / len(acc)
     if rows:
         summary["mask_cost"] = mask_cost(rows, sample)
+        summary["outputs"] = [{k: r[k] for k in ("url", "mode", "finished", "valid", "text")}
+                              for r in rows]
     text = json.dumps(summary, indent=1)
     print(text)
     if args.out:
