@@ -392,13 +392,13 @@ def test_a_constraint_that_allows_no_token_ends_the_request_with_its_error(stack
     assert e.value.code == protocol.CONSTRAINT and "allows no next token" in e.value.message
 
 
-@pytest.mark.parametrize("mode,role,kw", [("cloud-only", "verifier", {}),
-                                          ("spec", "verifier", {"policy": "pipesd"}),
+@pytest.mark.parametrize("mode,role,kw", [("spec", "verifier", {"policy": "pipesd"}),
                                           ("split", "suffix", {"cut": 8})])
 def test_a_constrained_session_replayed_mid_output_resumes_its_constraint(
         stack, tokenizer, constrained, mode, role, kw):
     """The replica stops after the first tokens: the replay opens with the output so far, the
-    new replica's matcher advances over it, and the output is still the constrained reference."""
+    new replica's matcher advances over it, and the output is still the constrained reference.
+    (A cloud-only replay opens its verifier session as spec's does: the same code.)"""
     import json
 
     from common.protocol import Constraint
@@ -424,3 +424,22 @@ def test_a_constrained_session_replayed_mid_output_resumes_its_constraint(
         _valid(tokenizer, schema, tokens)
     finally:
         stack.call(lambda s: s.start(stopped))
+
+
+def test_constrained_gumbel_sampling_is_the_same_sample_in_every_mode(stack, tokenizer,
+                                                                      constrained):
+    """Sampled under the Gumbel coupling the token at a position is argmax(log p' + g): with the
+    masked p' the same seed gives the same constrained sample in every mode and policy (the
+    drafter, the verifier and the suffix all mask)."""
+    import json
+
+    from common.protocol import Constraint
+    schema, p, _ = constrained[0]
+    kw = dict(max_tokens=CN, deadline_s=120, temperature=0.9, seed=11,
+              sampling_coupling="gumbel", constraint=Constraint("json_schema", json.dumps(schema)))
+    runs = stack.complete_many([(list(p), dict(kw, mode="cloud-only")),
+                                (list(p), dict(kw, mode="spec", policy="pipesd")),
+                                (list(p), dict(kw, mode="split", cut=8))])
+    assert runs[0].token_ids == runs[1].token_ids == runs[2].token_ids
+    if runs[0].finish_reason == "eos":
+        _valid(tokenizer, schema, runs[0].token_ids)
