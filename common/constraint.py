@@ -53,17 +53,23 @@ def _bad(message: str) -> ProtocolError:
 
 def grammar(c: Constraint) -> str:
     """The llguidance grammar of a constraint; raises BAD_FIELD (field "constraint") when the
-    constraint is malformed or the library cannot compile it."""
+    constraint is malformed or the library cannot compile it. Cached: an application sends the
+    same schema again and again, and every service of a request compiles it."""
+    return _grammar(c.kind, c.value)
+
+
+@functools.lru_cache(maxsize=256)
+def _grammar(kind: str, value: str) -> str:
     import llguidance
 
-    if c.kind == "regex":
-        g = llguidance.LLMatcher.grammar_from_regex(c.value)
+    if kind == "regex":
+        g = llguidance.LLMatcher.grammar_from_regex(value)
     else:
-        if c.kind == "json_object":
+        if kind == "json_object":
             schema: Any = {"type": "object"}
         else:
             try:
-                schema = json.loads(c.value)
+                schema = json.loads(value)
             except ValueError as e:
                 raise _bad(f"the schema is not valid JSON: {e}") from None
             if not isinstance(schema, (dict, bool)):
@@ -74,7 +80,7 @@ def grammar(c: Constraint) -> str:
             raise _bad(f"the schema cannot be compiled: {e}") from None
     why = llguidance.LLMatcher.validate_grammar(g)
     if why:
-        raise _bad(f"the {c.kind.replace('_', ' ')} cannot be compiled: {why}")
+        raise _bad(f"the {kind.replace('_', ' ')} cannot be compiled: {why}")
     return g
 
 
