@@ -198,12 +198,7 @@ class Spec:
         not have, are a bad field."""
         s = msgspec.structs.replace(msg.sampling, coupling=msg.sampling.coupling
                                     or d.cfg.sampling_coupling)
-        policy = check_policy(self.policy(d, msg), s)
-        check_knobs(policy, msg.policy_knobs)
-        if msg.constraint is not None and policy.tree:
-            raise ProtocolError(protocol.BAD_FIELD, f"constraint: policy {policy.name!r} drafts "
-                                f"token trees, which are not verified under a constraint; use a "
-                                f"chain policy (pipesd, vanilla, ...)", field="constraint")
+        check_knobs(check_policy(self.policy(d, msg), s), msg.policy_knobs)
 
     def policy(self, d, msg) -> str:
         return msg.policy or d.cfg.spec.policy

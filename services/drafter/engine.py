@@ -49,7 +49,9 @@ Constrained output (DraftOpen.constraint, common/constraint.py): the session's m
 its tokens past the prompt (drafts, and the target's tokens a rollback appends); each step
 drafts from the masked logits, q' ∝ q·m, so drafts are valid and mostly accepted. Where the
 mask is unavailable (a token the matcher does not allow, an empty mask) the step drafts from the
-unmasked logits: the verifier, which masks the target, stays exact either way.
+unmasked logits: the verifier, which masks the target, stays exact either way. Token trees are
+drafted unmasked (a node's mask would need the matcher at every branch): the verifier walks
+them on masked rows, so an invalid child is never taken.
 """
 
 from __future__ import annotations

@@ -113,9 +113,6 @@ class Drafter(Service):
                                 field="tree_nodes")
         matcher = None
         if msg.constraint is not None:
-            if msg.tree_nodes:
-                raise ProtocolError(protocol.BAD_FIELD, "constraint: token trees are not drafted "
-                                    "under a constraint", field="constraint")
             tok = await asyncio.to_thread(self.model.ll_tokenizer)
             matcher = constraint.Matcher(tok, msg.constraint, self.model.n_vocab)
         try:

@@ -42,7 +42,8 @@ with m the constraint's mask after the committed output and the stream's tokens 
 position (the ones the decision assumes accepted). A draft outside the mask has p'(x) = 0 and is
 rejected; a position behind such a draft is never reached, so its row is left unmasked. The
 matcher follows the stream lazily (`_masked`) and is reset to the committed output at every
-result. Tree rounds are refused under a constraint.
+result. A tree round is walked on masked rows: each after the committed output and the path
+walked to it.
 """
 
 from __future__ import annotations
@@ -248,6 +249,20 @@ class SpecSession(EngineSession):
                 raise
             return row
 
+    def _tree_mask(self):
+        """The tree walk's row mask: the constraint's after the committed output and the walked
+        path's tokens (each accepted under the mask, so the matcher always takes them)."""
+        if self.matcher is None:
+            return None
+        self.matcher.rollback(self.matched)
+        self.matched = 0
+
+        def mask(path_tokens: list[int], row: torch.Tensor) -> torch.Tensor:
+            self.matcher.advance(path_tokens[self.matched:])
+            self.matched = len(path_tokens)
+            return constraint.apply(row, self.matcher.mask())
+        return mask
+
     def _advance_committed(self, tokens: list[int]) -> None:
         """The committed output grew by `tokens` (the stream's first ones, then the target's):
         the matcher holds the committed output alone again."""
@@ -330,7 +345,7 @@ class SpecSession(EngineSession):
         t = self.tree
         if rows.shape[0] == len(t.tokens):   # no root token fed: its row is the kept tail
             rows = torch.cat((self.tail[None].to(rows.dtype), rows))
-        path, token = t.walk(rows, self.sampling)
+        path, token = t.walk(rows, self.sampling, self._tree_mask())
         lps = None
         if self.logprobs is not None:   # token j of the path is predicted by its parent's row
             emitted = [t.tokens[i] for i in path] + [token]
@@ -340,6 +355,7 @@ class SpecSession(EngineSession):
         self.kv.move_rows([t.start + i for i in path], t.start)   # root token at start - 1
         end = t.start + len(path)
         o = Outcome(end, token, path == t.main_path())
+        self._advance_committed([t.tokens[i] for i in path] + [token])
         self.tree = None
         self.stream, self.decisions, self.lps = [], {}, {}
         self.tail, self.tail_pos = None, -1
@@ -393,9 +409,6 @@ class SpecSession(EngineSession):
 
     def _tree_batch(self, msg: protocol.DraftBatch, q_ids, q_probs) -> None:
         rid, t = msg.round, self.tree
-        if self.matcher is not None:
-            raise ProtocolError(protocol.BAD_FIELD, "constraint: token trees are not verified "
-                                "under a constraint", field="parents")
         if msg.parent != 0:
             raise ProtocolError(protocol.BAD_FIELD, f"round {rid}: a proactive round is a chain "
                                                     f"(no parents)", field="parents")
