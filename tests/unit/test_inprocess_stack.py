@@ -404,7 +404,7 @@ def test_a_constrained_session_replayed_mid_output_resumes_its_constraint(
     import json
 
     from common.protocol import Constraint
-    schema, p, want = constrained[1]
+    schema, p, want = constrained[0]
 
     async def go(s):
         names = [name for name in s.services if name.split("-")[0] == role]
