@@ -17,7 +17,9 @@ own log-probabilities, log_softmax of its raw logits before temperature (vLLM's 
 text: the request is cancelled on the dispatcher at once, the stop string is not returned.
 Tandem's own options ride as extra body fields (openai-python's `extra_body`): `mode` (default
 auto: the dispatcher chooses), `tpt_slo_ms` (auto: a target time per token), `policy`, `cut`,
-`deadline_s`, `nav_thresholds`, `top_k`, `allow_edge_only`, `ignore_eos`.
+`deadline_s`, `nav_thresholds`, `top_k`, `allow_edge_only`, `ignore_eos`, `guided_regex` (the
+output matches a regular expression; `response_format` json_object / json_schema constrains it
+to JSON; both exactly, in every mode: common/constraint.py).
 
 With API keys configured (api/auth.py) the /v1 routes need `Authorization: Bearer KEY` (401
 otherwise); each key is one client for the dispatcher's per-client limits.
@@ -50,7 +52,7 @@ from starlette.routing import Route
 
 from api import auth, metrics
 from api.config import ApiConfig
-from common import chat
+from common import chat, constraint, protocol
 from tandem.errors import (Busy, Cancelled, DeadlineExceeded, InvalidRequest, ServerError,
                            TandemError, Unavailable)
 
@@ -62,7 +64,7 @@ MODES = metrics.MODES
 # their "off" value, rather than silently ignored.
 UNSUPPORTED_CHAT = ("tools", "tool_choice", "functions",
                     "function_call", "logit_bias", "presence_penalty", "frequency_penalty",
-                    "response_format", "audio", "modalities", "prediction", "web_search_options")
+                    "audio", "modalities", "prediction", "web_search_options")
 UNSUPPORTED_COMPLETIONS = ("logit_bias", "presence_penalty", "frequency_penalty",
                            "best_of", "echo", "suffix")
 
@@ -76,8 +78,6 @@ def _is_off(name: str, value: Any) -> bool:
     if name == "best_of" and value == 1 and not isinstance(value, bool):
         return True
     if name == "tool_choice" and value == "none":
-        return True
-    if name == "response_format" and isinstance(value, dict) and value.get("type") == "text":
         return True
     if name == "modalities" and value == ["text"]:
         return True
@@ -113,6 +113,8 @@ def from_tandem(e: TandemError, retry_after_s: int = 1) -> ApiError:
         if not field:   # a service's rule that names no field (e.g. the prefix's "cut 99 outside")
             head = e.message.split(" ", 1)[0].strip(":")
             field = head if head in _REQUEST_FIELDS else ""
+        if field == "constraint":   # the gateway's name for it
+            field = "response_format"
         code = "context_length_exceeded" if e.code == "too_large" and field == "prompt" \
             else e.code
         return ApiError(400, e.message, param=field or None, code=code)
@@ -261,6 +263,11 @@ class Params:
                     isinstance(x, (int, float)) and not isinstance(x, bool) for x in nav)):
                 raise _type_error("nav_thresholds", "a list of two numbers [R1, R2]", nav)
         deadline = get_num(body, "deadline_s", None, lo=0, lo_open=True)
+        c = output_constraint(body, cfg.max_constraint_bytes)
+        if c is not None and get_bool(body, "ignore_eos"):
+            raise ApiError(400, "ignore_eos: not with response_format or guided_regex (the "
+                           "output ends where the constraint is complete)", param="ignore_eos",
+                           code="invalid_value")
         self.sdk = dict(
             mode=mode, max_tokens=self.max_tokens,
             temperature=get_num(body, "temperature", cfg.default_temperature, lo=0, hi=2),
@@ -274,7 +281,7 @@ class Params:
             allow_edge_only=get_bool(body, "allow_edge_only"),
             stop_at_eos=not get_bool(body, "ignore_eos"),
             nav_thresholds=None if nav is None else (float(nav[0]), float(nav[1])),
-            logprobs=self.logprobs,
+            logprobs=self.logprobs, constraint=c,
             tpt_slo_ms=get_num(body, "tpt_slo_ms", 0.0, lo=0, hi=1e9))
 
     def seeds(self) -> list[int | None]:
@@ -286,6 +293,54 @@ class Params:
         if seed is None:
             return random.sample(range(2**62), self.n)
         return [seed + i for i in range(self.n)]
+
+
+def output_constraint(body: dict, max_bytes: int) -> protocol.Constraint | None:
+    """The request's output constraint: `response_format` (OpenAI's json_object / json_schema;
+    "text" is none) or `guided_regex` (vLLM's name, through the SDK's extra_body), compiled
+    here so a schema the library cannot compile is a 400 naming the field."""
+    rf, regex = body.get("response_format"), body.get("guided_regex")
+    if rf is not None and not isinstance(rf, dict):
+        raise _type_error("response_format", "an object", rf)
+    if rf is not None and rf.get("type") == "text":
+        rf = None
+    if rf is not None and regex is not None:
+        raise ApiError(400, "response_format and guided_regex: send one of them",
+                       param="guided_regex", code="invalid_value")
+    if regex is not None:
+        if not isinstance(regex, str) or not regex:
+            raise _type_error("guided_regex", "a non-empty string", regex)
+        param, c = "guided_regex", protocol.Constraint("regex", regex)
+    elif rf is None:
+        return None
+    elif rf.get("type") == "json_object":
+        param, c = "response_format", protocol.Constraint("json_object")
+    elif rf.get("type") == "json_schema":
+        param = "response_format"
+        js = rf.get("json_schema")
+        if not isinstance(js, dict):
+            raise _type_error("response_format.json_schema", "an object", js)
+        name = js.get("name")
+        if not isinstance(name, str) or not name:
+            raise ApiError(400, "response_format.json_schema.name: required (a string)",
+                           param=param, code="invalid_value")
+        if not isinstance(js.get("strict", False), bool):
+            raise _type_error("response_format.json_schema.strict", "a boolean", js["strict"])
+        schema = js.get("schema", {})   # OpenAI's default: any JSON value of the object
+        if not isinstance(schema, dict):
+            raise _type_error("response_format.json_schema.schema", "an object", schema)
+        c = protocol.Constraint("json_schema", json.dumps(schema))
+    else:
+        raise _range_error("response_format.type", "text | json_object | json_schema",
+                           rf.get("type"))
+    try:
+        constraint.check(c, max_bytes)
+    except protocol.ProtocolError as e:
+        text = e.message.replace("constraint: ", "", 1)
+        raise ApiError(400, f"{param}: {text}", param=param,
+                       code="too_large" if e.code == protocol.TOO_LARGE else "invalid_value") \
+            from None
+    return c
 
 
 # --- prompts ------------------------------------------------------------------------------------

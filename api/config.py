@@ -39,6 +39,9 @@ class ApiConfig:
     max_messages: int = setting(256, "chat messages per request", ge=1)
     max_prompt_tokens: int = setting(8192, "longest prompt (after the chat template), in tokens", ge=1)
     max_stop: int = setting(4, "stop strings per request (OpenAI's limit)", ge=1)
+    max_constraint_bytes: int = setting(
+        32 * 1024, "longest response_format schema / guided_regex, in bytes (the services' "
+        "max_constraint_bytes must allow it)", ge=1)
     max_n: int = setting(16, "choices per request (`n`): each one generation on the dispatcher",
                          ge=1, le=128)
     max_top_logprobs: int = setting(

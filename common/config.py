@@ -56,6 +56,9 @@ class ServiceConfig:
     max_frames: int = setting(8, "wire limit: frames per message", ge=1)
     max_tokens: int = setting(4096, "wire limit: token ids per message", ge=1)
     max_prompt_tokens: int = setting(8192, "longest prompt a session may open with", ge=1)
+    max_constraint_bytes: int = setting(
+        32 * 1024, "longest output constraint (a JSON schema, a regex) a request may carry; it "
+        "travels in the header (max_header_bytes)", ge=1)
     handshake_s: float = setting(
         30.0, "a peer that has not finished the ZMQ handshake by then is dropped", gt=0)
     drain_s: float = setting(
@@ -76,7 +79,8 @@ class ServiceConfig:
     def limits(self) -> Limits:
         return Limits(max_header_bytes=self.max_header_bytes, max_frame_bytes=self.max_frame_bytes,
                       max_frames=self.max_frames, max_tokens=self.max_tokens,
-                      max_prompt_tokens=self.max_prompt_tokens)
+                      max_prompt_tokens=self.max_prompt_tokens,
+                      max_constraint_bytes=self.max_constraint_bytes)
 
 
 @dataclass

@@ -43,10 +43,11 @@ CANCELLED = "cancelled"              # the client cancelled the request
 UNAVAILABLE = "unavailable"          # a peer service is down or unreachable
 WRONG_SERVICE = "wrong_service"      # a valid message sent to a service that doesn't serve it
 INTERNAL = "internal"                # a bug: logged with a traceback on the service
+CONSTRAINT = "constraint"            # the output constraint leaves no allowed token: the request ends
 
 ERROR_CODES = (BAD_FRAME, BAD_VERSION, UNKNOWN_TYPE, BAD_FIELD, TOO_LARGE, BAD_TENSOR,
                UNKNOWN_SESSION, UNKNOWN_ROUND, SESSION_EXISTS, BUSY, DEADLINE, CANCELLED, UNAVAILABLE,
-               WRONG_SERVICE, INTERNAL)
+               WRONG_SERVICE, INTERNAL, CONSTRAINT)
 
 
 class ProtocolError(TandemError):
@@ -61,6 +62,7 @@ class Limits:
     max_frames: int = 8                      # header + tensor frames in one message
     max_tokens: int = 4096                   # token ids in one message (prompts, drafts)
     max_prompt_tokens: int = 8192            # prompt length a session may open with
+    max_constraint_bytes: int = 32 * 1024    # an output constraint's text (a JSON schema, a regex)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -187,6 +189,15 @@ class ChatMessage(msgspec.Struct):
     content: str
 
 
+class Constraint(msgspec.Struct, forbid_unknown_fields=True):
+    """An output constraint (common/constraint.py): the output is a JSON object
+    ("json_object", no value), an instance of a JSON schema ("json_schema", value: the schema
+    as JSON text) or a match of a regular expression ("regex", value: the pattern). Its size is
+    limited by max_constraint_bytes; the services compile it with their tokenizer."""
+    kind: Literal["json_object", "json_schema", "regex"]
+    value: str = ""
+
+
 class GenerateRequest(Msg, tag="generate"):
     prompt: str = ""
     token_ids: list[TokenId] | None = None   # pre-tokenised prompt instead of `prompt`
@@ -214,6 +225,7 @@ class GenerateRequest(Msg, tag="generate"):
     #   pipesd/HSL/EdgeLLM thresholds, "c" EdgeLLM's constant; spec_mode.POLICY_KNOBS lists them
     logprobs: TopLogprobs | None = None
     # ^ send each token's TokenLogprob with this many alternatives; None = none (nothing computed)
+    constraint: Constraint | None = None   # the output is constrained (every mode, exactly)
     tpt_slo_ms: Annotated[float, msgspec.Meta(ge=0.0, le=MAX_SECONDS * 1000)] = 0.0
     # ^ auto mode: a target time per token in milliseconds; the dispatcher then chooses the mode
     #   with the least cloud work that meets it (services/dispatcher/auto_policy.py); 0 = the
@@ -251,6 +263,10 @@ class CloudGenerate(Msg, tag="cloud_generate"):
     sampling: Sampling = msgspec.field(default_factory=Sampling)
     eos_token_id: TokenId | None = None
     logprobs: TopLogprobs | None = None   # send each token's TokenLogprob; None = none
+    constraint: Constraint | None = None
+    # ^ the output (the tokens past constrained_from) is constrained: every token is chosen from
+    #   the masked logits (common/constraint.py)
+    constrained_from: Size | None = None   # where the output starts in token_ids; None = its end
     adopt: Annotated[str, msgspec.Meta(max_length=256)] = ""
     # ^ ADOPT (below): a session of this sender whose KV cache this one takes over
 
@@ -281,6 +297,10 @@ class SpecOpen(Msg, tag="spec_open"):
     sampling: Sampling = msgspec.field(default_factory=Sampling)
     stream: bool = False
     logprobs: TopLogprobs | None = None   # every VerifyResult carries its tokens' TokenLogprobs
+    constraint: Constraint | None = None
+    # ^ the output (the tokens past constrained_from) is constrained: every token is chosen from
+    #   the masked logits (common/constraint.py)
+    constrained_from: Size | None = None   # where the output starts in token_ids; None = its end
     adopt: Annotated[str, msgspec.Meta(max_length=256)] = ""   # see ADOPT above
     max_tokens: Size = 0   # tokens the request may generate, for the KV reservation (0: unknown)
 
@@ -348,6 +368,10 @@ class DraftOpen(Msg, tag="draft_open"):
     tree_nodes: Annotated[int, msgspec.Meta(ge=0, le=256)] = 0
     # ^ token trees: the most nodes one tree round of this session may have (sizes the context's
     #   extra KV cells and sequences); 0 = chains only
+    constraint: Constraint | None = None
+    # ^ the output (the tokens past constrained_from) is constrained: every token is chosen from
+    #   the masked logits (common/constraint.py)
+    constrained_from: Size | None = None   # where the output starts in token_ids; None = its end
 
 
 class TreeRequest(msgspec.Struct, omit_defaults=True):
@@ -442,6 +466,10 @@ class SuffixOpen(Msg, tag="suffix_open"):
     hidden: TensorRef
     sampling: Sampling = msgspec.field(default_factory=Sampling)
     logprobs: TopLogprobs | None = None   # every SuffixToken carries its TokenLogprob
+    constraint: Constraint | None = None   # the output is constrained (common/constraint.py)
+    output: list[TokenId] = msgspec.field(default_factory=list)
+    # ^ with a constraint: the output tokens the session starts after (a replay's), which the
+    #   constraint's state advances over
 
 
 class SuffixStep(Msg, tag="suffix_step"):
@@ -583,7 +611,12 @@ def check(msg: Msg) -> Msg:
 
 
 def _check_sizes(msg: Msg, limits: Limits) -> None:
-    for name in ("token_ids", "probs", "append", "entropies", "margins", "resume_ids"):
+    c = getattr(msg, "constraint", None)
+    if c is not None and len(c.value) > limits.max_constraint_bytes:
+        raise ProtocolError(TOO_LARGE, f"constraint of {len(c.value)} characters > limit "
+                            f"{limits.max_constraint_bytes} (max_constraint_bytes)",
+                            field="constraint")
+    for name in ("token_ids", "probs", "append", "entropies", "margins", "output", "resume_ids"):
         value = getattr(msg, name, None)
         if value is not None and len(value) > limits.max_tokens:
             raise ProtocolError(TOO_LARGE,

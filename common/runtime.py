@@ -313,6 +313,13 @@ class Service:
                          f"{self.name}: internal error in the {what} of {whose}; the session "
                          f"was ended (details in the {self.name} log)")
 
+    async def end_constrained(self, ident: bytes, req: Msg, e: ProtocolError) -> None:
+        """A session whose output constraint failed (no token allowed, common/constraint.py)
+        ends with that error: the request's own doing, not a bug."""
+        self.log.info("session %r ended: %s", req.sid, e.message)
+        await self.drop_session(req.sid)
+        await self.error(ident, req, e.code, e.message, e.field)
+
     async def compute_each(self, fn: Callable[[list], list], items: list) -> list:
         """`fn(items)` on the compute thread, one result per item. If the batch fails, each item
         runs alone, so a failure costs only the sessions that fail by themselves: the result is

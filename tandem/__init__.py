@@ -3,6 +3,7 @@
 
 from importlib.metadata import PackageNotFoundError, version
 
+from common.protocol import Constraint
 from tandem.client import DEFAULT_ENDPOINT, AsyncClient, AsyncStream, Chunk, Client, Result, Stream
 from tandem.errors import (Busy, Cancelled, DeadlineExceeded, InvalidRequest, ServerError,
                            TandemError, Unavailable)
@@ -13,6 +14,6 @@ try:
 except PackageNotFoundError:          # run from a source tree that was never installed
     __version__ = "0+unknown"
 
-__all__ = ["Client", "AsyncClient", "Stream", "AsyncStream", "Chunk", "Result", "Stats",
+__all__ = ["Client", "AsyncClient", "Constraint", "Stream", "AsyncStream", "Chunk", "Result", "Stats",
            "DEFAULT_ENDPOINT", "TandemError", "InvalidRequest", "Busy", "DeadlineExceeded", "Cancelled", "Unavailable",
            "ServerError", "__version__"]

@@ -58,6 +58,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -74,6 +75,19 @@ _ARGUMENTS = {"sampling.temperature": "temperature", "sampling.top_k": "top_k",
               "deadline_s": "deadline_s"}
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5550"
+
+
+def _constraint(c) -> protocol.Constraint | None:
+    """A Constraint, or the same as a {"kind", "value"} dict."""
+    if c is None or isinstance(c, protocol.Constraint):
+        return c
+    if isinstance(c, dict) and set(c) <= {"kind", "value"} and "kind" in c:
+        try:
+            return msgspec.convert(c, protocol.Constraint)
+        except msgspec.ValidationError as e:
+            raise error_from_code(protocol.BAD_FIELD, f"constraint: {e}", "constraint") from None
+    raise error_from_code(protocol.BAD_FIELD, "constraint: a protocol.Constraint or a "
+                          "{\"kind\", \"value\"} dict", "constraint")
 DEFAULT_MAX_RETRIES = 2        # as openai-python
 RETRY_INITIAL_S = 0.5          # first backoff; doubles per retry (openai-python's schedule)
 RETRY_MAX_S = 8.0              # backoff cap
@@ -379,7 +393,8 @@ class AsyncClient:
                  policy_knobs: dict[str, float] | None = None,
                  max_retries: int | None = None,
                  sampling_coupling: str | None = None,
-                 logprobs: int | None = None, tpt_slo_ms: float = 0.0) -> AsyncStream:
+                 logprobs: int | None = None, tpt_slo_ms: float = 0.0,
+                 constraint: protocol.Constraint | None = None) -> AsyncStream:
         """Stream a generation of `prompt` (text or token ids) or of `messages` (a conversation,
         [{"role", "content"}], through the target's chat template). `end_client`: the end client
         a gateway sends this for (the dispatcher's per-client limits count it separately).
@@ -392,6 +407,9 @@ class AsyncClient:
         `mode`: "auto" (the dispatcher chooses per request: the fastest, or with `tpt_slo_ms`
         the least cloud work meeting that time per token; `result.stats.segments` says what it
         chose and why), "cloud-only", "spec" or "split".
+        `constraint`: the output is a JSON object, an instance of a JSON schema or a match of a
+        regular expression (protocol.Constraint(kind="json_object" | "json_schema" | "regex",
+        value=schema JSON text or pattern)), exactly in every mode; needs stop_at_eos.
         Returns an AsyncStream; its `result` (and `self.last_result`) holds the whole result
         once it ended normally."""
         args = dict(prompt=prompt, messages=messages, mode=mode, max_tokens=max_tokens,
@@ -400,7 +418,7 @@ class AsyncClient:
                     allow_edge_only=allow_edge_only, nav_thresholds=nav_thresholds,
                     end_client=end_client, policy_knobs=policy_knobs,
                     sampling_coupling=sampling_coupling, logprobs=logprobs,
-                    tpt_slo_ms=tpt_slo_ms)
+                    tpt_slo_ms=tpt_slo_ms, constraint=constraint)
         retries = self.max_retries if max_retries is None else _check_retries(max_retries)
         return AsyncStream(self, args, retries)
 
@@ -423,9 +441,15 @@ class AsyncClient:
             deadline_s=deadline, allow_edge_only=a["allow_edge_only"],
             nav_thresholds=None if nav is None else [float(r) for r in nav],
             client=a["end_client"], logprobs=a["logprobs"], tpt_slo_ms=a["tpt_slo_ms"],
+            constraint=_constraint(a["constraint"]),
             policy_knobs=None if a["policy_knobs"] is None else {
                 str(k): float(v) for k, v in a["policy_knobs"].items()},
             resume_ids=None if resume_ids is None else list(resume_ids))
+        c = msg.constraint
+        if c is not None and len(c.value) > self.limits.max_constraint_bytes:
+            raise error_from_code(protocol.TOO_LARGE, f"constraint: {len(c.value)} characters "
+                                  f"over the limit of {self.limits.max_constraint_bytes} "
+                                  f"(max_constraint_bytes)", "constraint")
         try:   # the wire's own rules, before anything leaves: NaN, inf, out-of-range values
             protocol.check(msg)
         except protocol.ProtocolError as e:

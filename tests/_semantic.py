@@ -53,6 +53,8 @@ def _valid(name: str, t):
         return "x"
     if isinstance(t, mi.DictType):
         return {}
+    if isinstance(t, mi.LiteralType):
+        return t.values[0]
     return None
 
 

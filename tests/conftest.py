@@ -91,6 +91,59 @@ def reference(hf_model):
     return call
 
 
+class LLGuidanceProcessor:
+    """A transformers LogitsProcessor on llguidance's own matcher (not Tandem's wrapper,
+    common/constraint.py): the scores outside its mask set to -inf at every step."""
+
+    def __init__(self, tokenizer, grammar: str, prompt_len: int, vocab: int):
+        import llguidance
+        import llguidance.hf
+
+        self.m = llguidance.LLMatcher(llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab),
+                                      grammar)
+        self.prompt_len, self.vocab = prompt_len, vocab
+
+    def __call__(self, input_ids, scores):
+        import numpy as np
+
+        out = input_ids[0, self.prompt_len:].tolist()
+        if out:
+            assert self.m.consume_token(out[-1]), self.m.get_error()
+        bits = np.frombuffer(self.m.compute_bitmask(), dtype=np.uint8)
+        allowed = np.unpackbits(bits, bitorder="little")[:self.vocab].astype(bool)
+        return scores.masked_fill(~torch.from_numpy(allowed)[None, :scores.shape[-1]],
+                                  float("-inf"))
+
+
+@pytest.fixture(scope="session")
+def constrained_reference(hf_model, tokenizer):
+    """constrained_reference(prompt_ids, schema, n) -> transformers' generate(do_sample=False)
+    under a JSON schema (a dict; or {"regex": pattern}), up to its EOS included."""
+    import json
+
+    import llguidance
+    from transformers import LogitsProcessorList
+
+    @functools.lru_cache(maxsize=None)
+    def run(prompt_ids: tuple[int, ...], spec: str, n: int) -> tuple[int, ...]:
+        schema = json.loads(spec)
+        grammar = llguidance.LLMatcher.grammar_from_regex(schema["regex"]) \
+            if set(schema) == {"regex"} else llguidance.LLMatcher.grammar_from_json_schema(
+                schema, defaults={"whitespace_flexible": False})
+        proc = LLGuidanceProcessor(tokenizer, grammar, len(prompt_ids), hf_model.config.vocab_size)
+        x = torch.tensor([list(prompt_ids)])
+        with torch.inference_mode():
+            out = hf_model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
+                                    do_sample=False, logits_processor=LogitsProcessorList([proc]),
+                                    eos_token_id=tokenizer.eos_token_id,
+                                    pad_token_id=tokenizer.eos_token_id)
+        return tuple(out[0, len(prompt_ids):].tolist())
+
+    def call(prompt_ids, schema: dict, n: int) -> list[int]:
+        return list(run(tuple(prompt_ids), json.dumps(schema), n))   # its order is the output's
+    return call
+
+
 def compare_tokens(prompt_ids, got, want, label, *, logits_after, regenerate, n=None,
                    eos_id=None, ties=None) -> None:
     """Assert that `got` is the reference output `want`, over the full length.

@@ -50,7 +50,7 @@ async def _stream(req, adopt, handover: list, rec: recovery.Recovery, peer) -> N
         await ch.send(protocol.CloudGenerate(
             sid=sid, seq=1, token_ids=rec.committed(), max_tokens=req.max_tokens - base,
             sampling=req.sampling, eos_token_id=req.eos, logprobs=req.msg.logprobs,
-            adopt=adopted))
+            adopt=adopted, **req.constraint_fields()))
         while True:
             msg, _ = await rec.recv(ch)
             if not isinstance(msg, protocol.CloudTokens):

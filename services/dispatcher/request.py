@@ -83,6 +83,15 @@ class Request:
         if resumed:   # the text continues where the client's left off
             self.detok.push(prompt_ids[len(prompt_ids) - resumed:])
 
+    def constraint_fields(self) -> dict:
+        """The output constraint as a service's open message carries it: the constraint and
+        where the output starts in the committed tokens (after the prompt)."""
+        if self.msg.constraint is None:
+            return {}
+        # a continuation's prompt_ids hold the tokens it already delivered: output, constrained
+        return {"constraint": self.msg.constraint,
+                "constrained_from": len(self.prompt_ids) - self.resumed}
+
     @property
     def done(self) -> bool:
         return bool(self.finish_reason)

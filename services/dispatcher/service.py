@@ -17,7 +17,7 @@ import asyncio
 import time
 from urllib.parse import urlsplit
 
-from common import chat, metrics, protocol, security
+from common import chat, constraint, metrics, protocol, security
 from common.protocol import ProtocolError
 from common.runtime import PeerError, Service
 from services.dispatcher import auto_mode, recovery
@@ -164,6 +164,12 @@ class Dispatcher(Service):
                                 field="max_tokens")
         s = msg.sampling
         protocol.check_sampling(s, len(self.tokenizer))
+        if msg.constraint is not None:
+            if not msg.stop_at_eos:
+                raise ProtocolError(protocol.BAD_FIELD, "constraint: the output ends where the "
+                                    "constraint is complete, at EOS; stop_at_eos must be on",
+                                    field="constraint")
+            constraint.check(msg.constraint, self.limits.max_constraint_bytes)
         auto = mode == auto_mode.NAME
         if auto:
             self.auto.candidates(self, msg)    # the policy or cut it names, checked

@@ -345,7 +345,8 @@ class SpecRun:
         await self.vch.send(protocol.SpecOpen(sid=self.vsid, seq=OPEN_SEQ, token_ids=committed,
                                               sampling=req.sampling, stream=self.policy.stream,
                                               logprobs=req.msg.logprobs, adopt=adopt,
-                                              max_tokens=max(1, req.max_tokens - len(req.tokens))))
+                                              max_tokens=max(1, req.max_tokens - len(req.tokens)),
+                                              **req.constraint_fields()))
         # One token wanted: it is the target's own (the last wanted position always is), so no
         # draft could be used and the drafter's prefill would be wasted edge work. It is opened
         # anyway when the request may have to go on from the drafter alone (allow_edge_only).
@@ -371,7 +372,7 @@ class SpecRun:
                 sid=self.dsid, seq=OPEN_SEQ, token_ids=committed, sampling=req.sampling,
                 top_k=self.cfg.spec.q_width, max_tokens=req.max_tokens - self.base,
                 tree_nodes=self._tree_nodes() if self.policy.tree else 0,
-                features=self.policy.trigger == "pipesd-learned"))
+                features=self.policy.trigger == "pipesd-learned", **req.constraint_fields()))
         elif wants_drafter:
             log.warning("drafter at %s is down: %s goes on with the target alone",
                         d.drafter.endpoint, req.sid)
@@ -436,7 +437,8 @@ class SpecRun:
                                               token_ids=self.rec.committed(),
                                               sampling=req.sampling, stream=self.policy.stream,
                                               logprobs=req.msg.logprobs,
-                                              max_tokens=max(1, req.max_tokens - len(req.tokens))))
+                                              max_tokens=max(1, req.max_tokens - len(req.tokens)),
+                                              **req.constraint_fields()))
         await self.act(self.sm.verifier_lost())
 
     async def _reference(self) -> list[int]:
@@ -448,7 +450,8 @@ class SpecRun:
             await ch.send(protocol.CloudGenerate(sid=f"{req.sid}-oracle", seq=OPEN_SEQ,
                                                  token_ids=req.prompt_ids,
                                                  max_tokens=req.max_tokens,
-                                                 sampling=req.sampling))
+                                                 sampling=req.sampling,
+                                                 **req.constraint_fields()))
             while len(out) < req.max_tokens:
                 msg, _ = await ch.recv(timeout=max(0.001, req.remaining()))
                 if isinstance(msg, protocol.CloudTokens) and msg.index == len(out):
@@ -730,7 +733,8 @@ class SpecRun:
         self.last_v = time.monotonic()
         await self.vch.send(protocol.SpecOpen(sid=self.vsid, seq=OPEN_SEQ, token_ids=committed,
                                               sampling=req.sampling, stream=self.policy.stream,
-                                              logprobs=req.msg.logprobs))
+                                              logprobs=req.msg.logprobs,
+                                              **req.constraint_fields()))
         await self.act(self.sm.resync(len(committed), committed[-1]))
 
     # --- teardown -------------------------------------------------------------------------------

@@ -93,7 +93,10 @@ async def _session(req, cut, times, t0, rec: recovery.Recovery, suffix) -> None:
         times["edge"] += hidden.seconds
         await suf.send(protocol.SuffixOpen(sid=sid, seq=0, cut=cut, start=0,
                                            hidden=hidden.hidden, sampling=req.sampling,
-                                           logprobs=req.msg.logprobs),
+                                           logprobs=req.msg.logprobs,
+                                           constraint=req.msg.constraint,
+                                           output=rec.committed()[len(req.prompt_ids):]
+                                           if req.msg.constraint is not None else []),
                        frames[1:])
         tok, _ = await _reply(suf, protocol.SuffixToken, rec)
         times["cloud"] += tok.seconds

@@ -44,6 +44,14 @@ P(D_n) = q(D_n). Draws are keyed by (seed, position), so a seeded request drafts
 Gumbel coupling (`Sampling.coupling = "gumbel"`, common/gumbel.py): the draft is
 argmax(log q + g(seed, position)) with the noise the target uses, so it is accepted exactly when
 it is the target's token; no q travels (the verifier needs none).
+
+Constrained output (DraftOpen.constraint, common/constraint.py): the session's matcher follows
+its tokens past the prompt (drafts, and the target's tokens a rollback appends); each step
+drafts from the masked logits, q' ∝ q·m, so drafts are valid and mostly accepted. Where the
+mask is unavailable (a token the matcher does not allow, an empty mask) the step drafts from the
+unmasked logits: the verifier, which masks the target, stays exact either way. Token trees are
+drafted unmasked (a node's mask would need the matcher at every branch): the verifier walks
+them on masked rows, so an invalid child is never taken.
 """
 
 from __future__ import annotations
@@ -52,14 +60,15 @@ import ctypes
 import math
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
 
 import llama_cpp as L
 
-from common import gumbel
-from common.protocol import Sampling
+from common import constraint, gumbel
+from common.protocol import ProtocolError, Sampling
 from common.tree_shape import ROOT, Shape, TreeGrower
 
 MAX_Q_WIDTH = 64   # the widest sparse q the protocol carries (DESIGN.md §3: k <= 64)
@@ -175,6 +184,18 @@ class DraftModel:
         self.pool = max(0, int(pool))      # idle contexts kept; 0: every context freed at close
         self.idle: list[_Context] = []     # least recently returned first
         self.lock = threading.Lock()       # sessions open on the event loop, may close elsewhere
+        self._ll_tokenizer = None
+
+    def ll_tokenizer(self):
+        """The vocabulary as llguidance reads it (built once, ~1 s: constrained sessions)."""
+        with self.lock:
+            if self._ll_tokenizer is None:
+                import llguidance.llamacpp
+                with warnings.catch_warnings():   # it reads token attributes by a deprecated name
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    self._ll_tokenizer = llguidance.llamacpp.lltokenizer_from_vocab(
+                        self.vocab, n_vocab=self.n_vocab)
+            return self._ll_tokenizer
 
     def take(self, key: tuple, head: list[int]) -> tuple[_Context, int]:
         """A context of this key for a prompt whose evaluated part is `head`, and how many of
@@ -231,8 +252,10 @@ class DraftModel:
 
     def session(self, prompt: list[int], n_ctx: int, sampling: Sampling,
                 q_width: int = 16, n_batch: int = 256, tree_nodes: int = 0,
-                features: bool = False) -> "DraftSession":
-        return DraftSession(self, prompt, n_ctx, sampling, q_width, n_batch, tree_nodes, features)
+                features: bool = False, matcher: constraint.Matcher | None = None,
+                output_start: int | None = None) -> "DraftSession":
+        return DraftSession(self, prompt, n_ctx, sampling, q_width, n_batch, tree_nodes, features,
+                            matcher, output_start)
 
     def close(self) -> None:
         with self.lock:
@@ -253,7 +276,8 @@ class DraftSession:
     """One session's llama.cpp context, its token list and its position in the KV cache."""
 
     def __init__(self, model: DraftModel, prompt: list[int], n_ctx: int, sampling: Sampling,
-                 q_width: int, n_batch: int, tree_nodes: int = 0, features: bool = False):
+                 q_width: int, n_batch: int, tree_nodes: int = 0, features: bool = False,
+                 matcher: constraint.Matcher | None = None, output_start: int | None = None):
         if not prompt:
             raise DraftError("empty prompt")
         bad = [t for t in prompt if not 0 <= t < model.n_vocab]
@@ -292,6 +316,9 @@ class DraftSession:
         self.node_seq: list[int] = []         # the sequence holding each decoded node, else -1
         self.seqs_used = 0                    # sequences 1..seqs_used hold branches
         self.tree_pending: list[int] = []     # nodes grown but not decoded yet (last depth)
+        self.matcher = matcher                # the output constraint's state; None = none
+        self.output_start = len(prompt) if output_start is None else int(output_start)
+        self.matched: list[int] = []          # the tokens past output_start the matcher holds
 
     # --- the KV cache ---------------------------------------------------------------------------
     def _eval(self, upto: int) -> np.ndarray:
@@ -333,8 +360,10 @@ class DraftSession:
         t = time.perf_counter()
         if self.n_past >= len(self.tokens):      # the last token's logits are gone: re-feed it
             self._truncate(len(self.tokens) - 1)
-        logits = self._eval(len(self.tokens))
+        raw = logits = self._eval(len(self.tokens))
         position = len(self.tokens)
+        if self.matcher is not None:
+            logits = self._masked(logits)
         if self.greedy:
             token, prob = _greedy(logits)
             draft = Draft(position, token, prob, 0.0)
@@ -348,10 +377,28 @@ class DraftSession:
             draft = Draft(position, int(ids[k]), float(probs[k]), 0.0, ids, probs)
         if self.features:
             draft.entropy, draft.margin = _entropy_margin(
-                logits, 1.0 if self.greedy else self.sampling.temperature)
+                raw, 1.0 if self.greedy else self.sampling.temperature)
         self.tokens.append(draft.token)
         draft.seconds = time.perf_counter() - t
         return draft
+
+    def _masked(self, logits: np.ndarray) -> np.ndarray:
+        """The logits with -inf outside the constraint's mask after the session's tokens; the
+        logits themselves when the matcher cannot follow them (see the module's docstring)."""
+        out = self.tokens[self.output_start:]
+        keep = 0
+        while keep < min(len(out), len(self.matched)) and out[keep] == self.matched[keep]:
+            keep += 1
+        self.matcher.rollback(len(self.matched) - keep)
+        del self.matched[keep:]
+        took = self.matcher.advance_valid(out[keep:])
+        self.matched += out[keep:keep + took]
+        if keep + took < len(out):
+            return logits
+        try:
+            return constraint.apply(logits, self.matcher.mask())
+        except ProtocolError:   # no token allowed: the verifier ends the request
+            return logits
 
     def _truncate(self, n: int) -> None:
         if n < self.n_past:

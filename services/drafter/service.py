@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import math
 
-from common import metrics, protocol
+from common import constraint, metrics, protocol
 from common.tree_shape import Shape
 from common.protocol import Msg, ProtocolError
 from common.runtime import Service, Session
@@ -111,9 +111,14 @@ class Drafter(Service):
             raise ProtocolError(protocol.TOO_LARGE, f"tree_nodes {msg.tree_nodes} > this "
                                 f"drafter's max_tree_nodes {self.cfg.max_tree_nodes}",
                                 field="tree_nodes")
+        matcher = None
+        if msg.constraint is not None:
+            tok = await asyncio.to_thread(self.model.ll_tokenizer)
+            matcher = constraint.Matcher(tok, msg.constraint, self.model.n_vocab)
         try:
             draft = self.model.session(list(msg.token_ids), n_ctx, s, msg.top_k,
-                                       self.cfg.n_batch, msg.tree_nodes, features=msg.features)
+                                       self.cfg.n_batch, msg.tree_nodes, features=msg.features,
+                                       matcher=matcher, output_start=msg.constrained_from)
         except DraftError as e:
             raise ProtocolError(protocol.BAD_FIELD, str(e)) from None
         metrics.PROMPT_CACHE.labels(self.name, "hit").inc(draft.reused)

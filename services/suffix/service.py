@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common import metrics, protocol, sampling
+from common import constraint, metrics, protocol, sampling
 from common.protocol import Msg, ProtocolError
 from common.runtime import Service, Session
 from services.suffix.config import SuffixConfig
@@ -36,8 +36,9 @@ HIDDEN_DTYPES = ("float16", "bfloat16", "float32")
 
 class SuffixSession(Session):
     def __init__(self, sid: str, seq: int, cut: int, kv, sampling_cfg: protocol.Sampling,
-                 logprobs: int | None = None):
+                 logprobs: int | None = None, matcher: constraint.Matcher | None = None):
         super().__init__(sid, seq=seq)
+        self.matcher = matcher     # the output constraint's state after the output so far
         self.cut = cut
         self.kv = kv
         self.sampling = sampling_cfg
@@ -80,6 +81,7 @@ class Suffix(Service):
         from common.runner import LayerRangeRunner
 
         path = models.resolve_target(self.cfg.target)
+        self.target_path = str(path)
         self.runner = await asyncio.to_thread(
             LayerRangeRunner, path, None, getattr(torch, self.cfg.dtype), self.cfg.threads or None,
             device=self.cfg.device)
@@ -118,8 +120,14 @@ class Suffix(Service):
         protocol.check_sampling(msg.sampling, self.runner.vocab_size)
         x = self.hidden(msg.hidden, frames)
         self.sessions.admit(msg, x.shape[0])   # the prompt is as long as its hidden sequence
+        matcher = None
+        if msg.constraint is not None:
+            vocab = self.runner.vocab_size
+            tok = await asyncio.to_thread(constraint.hf_tokenizer, self.target_path, vocab)
+            matcher = constraint.Matcher(tok, msg.constraint, vocab)
+            matcher.advance(list(msg.output))
         s = SuffixSession(msg.sid, msg.seq, msg.cut, self.runner.new_kv(msg.cut, self.L),
-                          msg.sampling, msg.logprobs)
+                          msg.sampling, msg.logprobs, matcher)
         self.sessions.add(s)
         self.enqueue(ident, s, msg, x)
 
@@ -200,18 +208,28 @@ class Suffix(Service):
         members can run again without the one that failed (Service.compute_each)."""
         t = time.perf_counter()
         starts = [p.session.kv.length() for p in window]
+        advanced: list[constraint.Matcher] = []
         try:
             res = execute(self.runner, plan,
                           {p.session.sid: Item(p.session.kv, p.x) for p in window},
                           padded=self.padded)
-            tokens = [sampling.sample(res.logits[p.session.sid], p.session.sampling,
-                                      p.session.kv.length()) for p in window]
+            tokens = []
+            for p in window:
+                row, m = res.logits[p.session.sid], p.session.matcher
+                if m is not None:   # choose from the constrained distribution p' ∝ p·m
+                    row = constraint.apply(row, m.mask())
+                tokens.append(sampling.sample(row, p.session.sampling, p.session.kv.length()))
+                if m is not None:
+                    m.advance([tokens[-1]])
+                    advanced.append(m)
             lps = [None if p.session.logprobs is None else
                    sampling.token_logprob(res.logits[p.session.sid], t, p.session.logprobs)
                    for p, t in zip(window, tokens)]
         except BaseException:
             for p, n in zip(window, starts):
                 p.session.kv.truncate(n)
+            for m in advanced:   # the window runs again (or its members alone): undo its tokens
+                m.rollback(1)
             raise
         dt = time.perf_counter() - t
         return [(res, token, dt, lp) for token, lp in zip(tokens, lps)]
@@ -247,6 +265,9 @@ class Suffix(Service):
                 metrics.FORWARD_SESSIONS.labels(self.name, "step").observe(len(window))
             for p, out in zip(window, outs):
                 s = p.session
+                if isinstance(out, ProtocolError):   # the constraint allows no token
+                    await self.end_constrained(p.ident, p.msg, out)
+                    continue
                 if isinstance(out, Exception):
                     await self.fail_session(p.ident, p.msg, "forward and sampling", out)
                     continue

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common import protocol, sampling
+from common import constraint, protocol, sampling
 from common.protocol import Msg
 from common.runtime import Session
 
@@ -67,11 +67,13 @@ class EngineSession(Session):
 class CloudSession(EngineSession):
     """Cloud-only generation: prefill (chunked), then autoregressive decode."""
 
-    def __init__(self, sid, ident, rid, seq, kv, req: protocol.CloudGenerate, cached: int = 0):
+    def __init__(self, sid, ident, rid, seq, kv, req: protocol.CloudGenerate, cached: int = 0,
+                 matcher: constraint.Matcher | None = None):
         super().__init__(sid, ident, rid, seq, kv)
         self.prompt = list(req.token_ids)
         self.cached = cached                       # prompt rows the prefix cache filled
         self.pending = self.prompt[cached:]        # tokens not yet in the cache
+        self.matcher = matcher                     # the output constraint's state; None = none
         self.sampling = req.sampling
         self.max_tokens = req.max_tokens
         self.eos = req.eos_token_id
@@ -97,7 +99,12 @@ class CloudSession(EngineSession):
         if work.logits == "none":
             return []
         position = self.kv.length()
-        token = sampling.sample(logits[-1], self.sampling, position)
+        row = logits[-1]
+        if self.matcher is not None:   # choose from the constrained distribution p' ∝ p·m
+            row = constraint.apply(row, self.matcher.mask())
+        token = sampling.sample(row, self.sampling, position)
+        if self.matcher is not None:
+            self.matcher.advance([token])
         lps = None if self.logprobs is None else [
             sampling.token_logprob(logits[-1], token, self.logprobs)]
         self.generated.append(token)

@@ -22,7 +22,7 @@ import time
 import numpy as np
 import torch
 
-from common import metrics, protocol, sampling
+from common import constraint, metrics, protocol, sampling
 from common.protocol import Msg, ProtocolError
 from common.runtime import Service, check_token_ids
 from services.verifier import spec_verify
@@ -57,6 +57,7 @@ class Verifier(Service):
             LayerRangeRunner, path, None, dtype, self.cfg.threads or None,
             device=self.cfg.device)
         self.vocab_size = self.runner.vocab_size
+        self.target_path = str(path)
         self.log.info("target %s loaded: %d layers, vocab %d", path, self.runner.num_layers,
                       self.vocab_size)
         metrics.declare_verifier(self.name)
@@ -141,14 +142,26 @@ class Verifier(Service):
         self.sessions.pop(msg.adopt)
         return old.kv
 
+    async def matcher(self, msg) -> constraint.Matcher | None:
+        """The open message's output constraint, advanced over the output it already has (a
+        replay's); None without one. A constraint that does not compile is BAD_FIELD."""
+        if msg.constraint is None:
+            return None
+        tok = await asyncio.to_thread(constraint.hf_tokenizer, self.target_path, self.vocab_size)
+        m = constraint.Matcher(tok, msg.constraint, self.vocab_size)
+        start = len(msg.token_ids) if msg.constrained_from is None else msg.constrained_from
+        m.advance(list(msg.token_ids[start:]))
+        return m
+
     async def on_cloud_generate(self, ident: bytes, msg: protocol.CloudGenerate, frames) -> None:
         if self.retried_open(ident, msg, CloudSession) is not None:
             return   # the stream goes on, to whoever asked last
+        matcher = await self.matcher(msg)
         if msg.adopt:   # the cache of the session it takes over (protocol ADOPT)
             kv, hit = self.adopted_kv(ident, msg), 0
         else:
             kv, hit = self.open_kv(msg.token_ids, msg.max_tokens)
-        s = CloudSession(msg.sid, ident, msg.rid, msg.seq, kv, msg, cached=hit)
+        s = CloudSession(msg.sid, ident, msg.rid, msg.seq, kv, msg, cached=hit, matcher=matcher)
         s.adopting = bool(msg.adopt)
         self.add(s)
 
@@ -159,6 +172,7 @@ class Verifier(Service):
                 await self.send(ident, old.open_ack())
             return
         protocol.check_sampling(msg.sampling, self.vocab_size)
+        matcher = await self.matcher(msg)
         # room for what it may generate, and a tree round's nodes past the committed tokens
         if msg.adopt:   # the cache of the session it takes over (protocol ADOPT)
             kv, hit = self.adopted_kv(ident, msg), 0
@@ -169,7 +183,7 @@ class Verifier(Service):
                         list(msg.token_ids), msg.sampling, msg.stream and self.cfg.stream_verify,
                         self.vocab_size, self.limits.max_tokens,
                         max_tree_nodes=self.cfg.max_tree_nodes, max_tree_depth=self.cfg.max_tree_depth,
-                        logprobs=msg.logprobs, cached=hit)
+                        logprobs=msg.logprobs, cached=hit, matcher=matcher)
         s.adopting = bool(msg.adopt)
         self.add(s)
         if s.prefilled:   # a one-token prompt, or every row cached: nothing to prefill
@@ -294,6 +308,10 @@ class Verifier(Service):
                     continue
                 try:
                     replies = s.consume(work, logits)
+                except ProtocolError as e:   # the constraint allows no token: the request ends
+                    await self.end_constrained(s.ident, protocol.Close(sid=s.sid, seq=s.seq,
+                                                                       rid=s.rid), e)
+                    continue
                 except Exception as e:  # noqa: BLE001 - sampling, a malformed round, ...
                     await self.end_session(s, "sampling and verification", e)
                     continue

@@ -36,6 +36,14 @@ Idempotency: a resent batch (same round, overlapping positions, same tokens) and
 are answered from state; a result is never computed twice. A round the session never had, a gap
 or a changed token is an Error with a stable code. The KV cache changes only between forward
 passes (`inflight` guards it), since the forward runs on the compute thread.
+
+Constrained output (SpecOpen.constraint): every decision is made on the masked row, p' ∝ p·m,
+with m the constraint's mask after the committed output and the stream's tokens before the
+position (the ones the decision assumes accepted). A draft outside the mask has p'(x) = 0 and is
+rejected; a position behind such a draft is never reached, so its row is left unmasked. The
+matcher follows the stream lazily (`_masked`) and is reset to the committed output at every
+result. A tree round is walked on masked rows: each after the committed output and the path
+walked to it.
 """
 
 from __future__ import annotations
@@ -46,7 +54,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from common import metrics, protocol, sampling
+from common import constraint, metrics, protocol, sampling
 from common.protocol import Msg, ProtocolError
 from services.verifier import spec_verify
 from services.verifier.engine import EngineSession, Work
@@ -89,8 +97,11 @@ class SpecSession(EngineSession):
     def __init__(self, sid: str, ident: bytes, rid: int, seq: int, kv, prompt: list[int],
                  s: protocol.Sampling, stream: bool, vocab_size: int, max_stream: int = 4096,
                  max_tree_nodes: int = 64, max_tree_depth: int = 32,
-                 logprobs: int | None = None, cached: int = 0):
+                 logprobs: int | None = None, cached: int = 0,
+                 matcher: constraint.Matcher | None = None):
         super().__init__(sid, ident, rid, seq, kv)
+        self.matcher = matcher   # the output constraint's state after the committed output ...
+        self.matched = 0         # ... and this many stream tokens
         self.sampling = s
         self.greedy = sampling.is_greedy(s)
         self.stream_verify = stream
@@ -218,7 +229,7 @@ class SpecSession(EngineSession):
 
     def _decide_at(self, position: int, e: Entry, row: torch.Tensor) -> None:
         """Decide the token at `position`, and keep its log-probabilities when asked for."""
-        d = self.decisions[position] = self._decide(position, e, row)
+        d = self.decisions[position] = self._decide(position, e, self._masked(position, row))
         if self.logprobs is not None:
             self.lps[position] = sampling.token_logprob(row, d.token, self.logprobs)
 
@@ -227,6 +238,52 @@ class SpecSession(EngineSession):
             token = spec_verify.bonus(row, self.sampling, position)
             return spec_verify.Decision(token, token == e.token)
         return spec_verify.decide(row, e.token, self.sampling, position, e.q_ids, e.q_probs)
+
+    def _masked(self, position: int, row: torch.Tensor) -> torch.Tensor:
+        """The row for `position` under the constraint: -inf outside the mask after the
+        committed output and the stream's tokens before `position`. Unmasked when one of those
+        tokens is outside the constraint (the position is unreachable) or, past the first
+        stream position, when the mask is empty (it is raised once the position is reached)."""
+        if self.matcher is None:
+            return row
+        k = position - self.C
+        if self.matched > k:
+            self.matcher.rollback(self.matched - k)
+            self.matched = k
+        if self.matched < k:
+            wanted = [e.token for e in self.stream[self.matched:k]]
+            self.matched += self.matcher.advance_valid(wanted)
+            if self.matched < k:
+                return row
+        try:
+            return constraint.apply(row, self.matcher.mask())
+        except ProtocolError:
+            if k == 0:
+                raise
+            return row
+
+    def _tree_mask(self):
+        """The tree walk's row mask: the constraint's after the committed output and the walked
+        path's tokens (each accepted under the mask, so the matcher always takes them)."""
+        if self.matcher is None:
+            return None
+        self.matcher.rollback(self.matched)
+        self.matched = 0
+
+        def mask(path_tokens: list[int], row: torch.Tensor) -> torch.Tensor:
+            self.matcher.advance(path_tokens[self.matched:])
+            self.matched = len(path_tokens)
+            return constraint.apply(row, self.matcher.mask())
+        return mask
+
+    def _advance_committed(self, tokens: list[int]) -> None:
+        """The committed output grew by `tokens` (the stream's first ones, then the target's):
+        the matcher holds the committed output alone again."""
+        if self.matcher is None:
+            return
+        self.matcher.rollback(self.matched)
+        self.matched = 0
+        self.matcher.advance_valid(tokens)   # past the output's end (its EOS) nothing is kept
 
     # --- rounds -----------------------------------------------------------------------------------
     def _outcome(self, r: Round) -> Outcome | None:
@@ -243,7 +300,7 @@ class SpecSession(EngineSession):
         if d is not None:
             return Outcome(end, d.token, True)
         if self.tail is not None and self.tail_pos == end:
-            token = spec_verify.bonus(self.tail, self.sampling, end)
+            token = spec_verify.bonus(self._masked(end, self.tail), self.sampling, end)
             if self.logprobs is not None:
                 self.lps[end] = sampling.token_logprob(self.tail, token, self.logprobs)
             return Outcome(end, token, True)
@@ -270,6 +327,8 @@ class SpecSession(EngineSession):
         lps = None if self.logprobs is None else [self.lps[p] for p in range(r.start, new_c)]
         self.committed += [self.stream[p - self.C].token for p in range(self.C, o.end)]
         self.committed.append(o.token)
+        self._advance_committed([self.stream[p - self.C].token for p in range(self.C, o.end)]
+                                + [o.token])
         if kept:
             del self.stream[:new_c - self.C]
             self.decisions = {p: d for p, d in self.decisions.items() if p >= new_c}
@@ -301,7 +360,7 @@ class SpecSession(EngineSession):
         t = self.tree
         if rows.shape[0] == len(t.tokens):   # no root token fed: its row is the kept tail
             rows = torch.cat((self.tail[None].to(rows.dtype), rows))
-        path, token = t.walk(rows, self.sampling)
+        path, token = t.walk(rows, self.sampling, self._tree_mask())
         lps = None
         if self.logprobs is not None:   # token j of the path is predicted by its parent's row
             emitted = [t.tokens[i] for i in path] + [token]
@@ -313,6 +372,7 @@ class SpecSession(EngineSession):
         self.committed += [t.tokens[i] for i in path]
         self.committed.append(token)
         o = Outcome(end, token, path == t.main_path())
+        self._advance_committed([t.tokens[i] for i in path] + [token])
         self.tree = None
         self.stream, self.decisions, self.lps = [], {}, {}
         self.tail, self.tail_pos = None, -1

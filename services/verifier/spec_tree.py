@@ -117,16 +117,20 @@ class TreeRound:
     def main_path(self) -> list[int]:
         return trees.main_path(self.parents)
 
-    def walk(self, rows: torch.Tensor, s: Sampling) -> tuple[list[int], int]:
+    def walk(self, rows: torch.Tensor, s: Sampling, mask=None) -> tuple[list[int], int]:
         """The accepted root path and the target's token after it. rows[0] is the root token's
-        logits row (predicting position start), rows[1 + i] node i's."""
+        logits row (predicting position start), rows[1 + i] node i's. `mask(path_tokens, row)`:
+        the row under an output constraint after the path's tokens (None: no constraint)."""
         path: list[int] = []
         node = -1
         while True:
             kids = self.kids.get(node, [])
             first = kids[0] if kids else None
+            row = rows[node + 1]
+            if mask is not None:
+                row = mask([self.tokens[i] for i in path], row)
             step = spec_verify.tree_choose(
-                rows[node + 1], [self.tokens[k] for k in kids], s, self.start + len(path),
+                row, [self.tokens[k] for k in kids], s, self.start + len(path),
                 None if first is None else self.q_ids[first],
                 None if first is None else self.q_probs[first])
             if step.child is None:

@@ -333,6 +333,60 @@ def test_errors_in_openai_shape(stack, route, body, status, param, code):
         assert err["code"] == code
 
 
+# --- constrained output: response_format and guided_regex -----------------------------------------
+
+PERSON = {"type": "object", "additionalProperties": False,
+          "properties": {"name": {"type": "string", "maxLength": 12},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"]}
+ASK = [{"role": "user", "content": "Give a JSON record for a user named Ada, 36 years old."}]
+
+
+@pytest.mark.parametrize("extra", [{}, {"mode": "spec", "policy": "pipesd"}],
+                         ids=["cloud-only", "spec"])
+def test_response_format_json_schema_equals_transformers_under_the_mask(
+        client, tokenizer, constrained_reference, extra):
+    import jsonschema
+    r = client.chat.completions.create(
+        model=MODEL, messages=ASK, max_tokens=48, temperature=0,
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "person", "schema": PERSON, "strict": True}},
+        extra_body=extra)
+    want = constrained_reference(chat_ids(tokenizer, ASK), PERSON, 48)
+    text = r.choices[0].message.content
+    assert text == tokenizer.decode(want, skip_special_tokens=True)
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_json_object_and_guided_regex_on_completions(client):
+    import re
+    r = client.completions.create(model=MODEL, prompt="A JSON object describing a cat:",
+                                  max_tokens=48, temperature=0,
+                                  extra_body={"response_format": {"type": "json_object"}})
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].text), dict)
+    else:   # cut at max_tokens: still an object's prefix
+        assert r.choices[0].text.startswith("{")
+    r = client.completions.create(model=MODEL, prompt="Call me at", max_tokens=16, temperature=0,
+                                  extra_body={"guided_regex": r" [0-9]{3}-[0-9]{4}"})
+    assert re.fullmatch(r" [0-9]{3}-[0-9]{4}", r.choices[0].text), r.choices[0].text
+
+
+@pytest.mark.parametrize("rf,param", [
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"$ref": "#/missing"}}}}}, "response_format"),
+    ({"type": "json_schema", "json_schema": {"schema": PERSON}}, "response_format"),
+    ({"type": "xml"}, "response_format.type"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": []}},
+     "response_format.json_schema.schema")])
+def test_a_bad_response_format_is_a_400_naming_it(client, rf, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4,
+                                       response_format=rf)
+    assert e.value.body["param"] == param, e.value.body
+
+
 def test_malformed_json_oversized_body_and_unknown_route(stack):
     base = stack["base"]
     err = _error(_post(base, "chat", content=b'{"model": "tandem", "messages": [',

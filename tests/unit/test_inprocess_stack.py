@@ -365,3 +365,168 @@ def test_a_continuation_is_checked(stack, ids):
         finally:
             peer.close()
     assert stack.call(go) == ["bad_field", "bad_field", "bad_field", "too_large"]
+
+
+# --- constrained output (common/constraint.py) ---------------------------------------------------
+# The reference: transformers with llguidance's own mask (tests/conftest.constrained_reference).
+
+PERSON = {"type": "object", "additionalProperties": False,
+          "properties": {"name": {"type": "string", "maxLength": 12},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "role": {"enum": ["admin", "user", "guest"]}},
+          "required": ["name", "age", "role"]}
+PRODUCT = {"type": "object", "additionalProperties": False,
+           "properties": {"sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{3}$"},
+                          "in_stock": {"type": "boolean"},
+                          "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]},
+                                   "maxItems": 2},
+                          "price": {"type": "object", "additionalProperties": False,
+                                    "properties": {"amount": {"type": "integer", "minimum": 0,
+                                                              "maximum": 999},
+                                                   "currency": {"enum": ["USD", "EUR"]}},
+                                    "required": ["amount", "currency"]}},
+           "required": ["sku", "in_stock", "tags", "price"]}
+SCHEMA_PROMPTS = [(PERSON, "Give a JSON record for a user named Ada, 36 years old, an admin."),
+                  (PRODUCT, "Describe a red mug that costs 12 dollars as JSON.")]
+CN = 64
+
+
+@pytest.fixture(scope="module")
+def constrained(tokenizer, constrained_reference):
+    """[(schema, prompt ids, the constrained reference)] for SCHEMA_PROMPTS."""
+    cases = []
+    for schema, text in SCHEMA_PROMPTS:
+        chat_text = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                  add_generation_prompt=True, tokenize=False)
+        p = tokenizer.encode(chat_text, add_special_tokens=False)
+        cases.append((schema, p, constrained_reference(p, schema, CN)))
+    return cases
+
+
+def _valid(tokenizer, schema: dict, token_ids: list[int]) -> None:
+    import json
+
+    import jsonschema
+    jsonschema.validate(json.loads(tokenizer.decode(token_ids, skip_special_tokens=True)), schema)
+
+
+@pytest.mark.parametrize("mode,kw", [("cloud-only", {}), ("spec", {"policy": "pipesd"}),
+                                     ("spec", {"policy": "tree"}), ("split", {"cut": 8})])
+def test_constrained_output_equals_transformers_with_the_mask(stack, tokenizer, constrained,
+                                                             mode, kw):
+    import json
+
+    from common.protocol import Constraint
+    runs = stack.complete_many([(list(p), dict(max_tokens=CN, deadline_s=120, mode=mode,
+                                               constraint=Constraint("json_schema",
+                                                                     json.dumps(schema)), **kw))
+                                for schema, p, _ in constrained])
+    for (schema, _, want), r in zip(constrained, runs):
+        assert r.token_ids == want
+        assert r.finish_reason == "eos"
+        _valid(tokenizer, schema, r.token_ids)
+        if kw.get("policy") == "pipesd":   # drafted under the mask: the drafts mostly taken
+            assert r.stats["draft_tokens"] >= 1 and r.stats["acceptance_rate"] >= 0.5, r.stats
+        elif mode == "spec":   # a tree, drafted unmasked: walked on the masked rows
+            assert r.stats["draft_tokens"] >= 1, r.stats
+
+
+def test_unmasked_drafts_are_rejected_and_the_output_stays_exact(stack, tokenizer, constrained,
+                                                                monkeypatch):
+    """A drafter that drafts without the mask (drafts outside it have p' = 0): the verifier
+    rejects them and the output is still the target's constrained decoding."""
+    import json
+
+    from common.protocol import Constraint
+    from services.drafter.engine import DraftSession
+    monkeypatch.setattr(DraftSession, "_masked", lambda self, logits: logits)
+    schema, p, want = constrained[1]
+    r = stack.complete(list(p), max_tokens=CN, deadline_s=120, mode="spec", policy="vanilla",
+                       constraint=Constraint("json_schema", json.dumps(schema)))
+    assert r.token_ids == want and r.stats["draft_tokens"] >= 1
+
+
+def test_a_constraint_the_library_refuses_or_without_eos_is_a_bad_field(stack, ids):
+    from common.protocol import Constraint
+    from tandem.errors import InvalidRequest
+    bad = [(Constraint("json_schema", '{"type": "object", "properties": {"a": {"$ref": '
+                                      '"#/nowhere"}}}'), {}),
+           (Constraint("regex", "(unclosed"), {}),
+           (Constraint("json_object"), {"stop_at_eos": False})]
+    for c, kw in bad:
+        with pytest.raises(InvalidRequest) as e:
+            stack.complete(list(ids[0]), max_tokens=4, constraint=c, **kw)
+        assert e.value.field == "constraint", e.value
+
+
+@pytest.mark.parametrize("mode,kw", [("cloud-only", {}), ("spec", {"policy": "pipesd"}),
+                                     ("split", {"cut": 8})])
+def test_a_constraint_that_allows_no_token_ends_the_request_with_its_error(stack, ids, mode, kw,
+                                                                          monkeypatch):
+    """Every service's mask finds no allowed token: the request ends at once with the
+    `constraint` error (the drafter drafts unmasked; the target's services refuse)."""
+    from common import constraint, protocol
+    from common.protocol import Constraint
+    from tandem.errors import InvalidRequest
+
+    def nothing_allowed(self):
+        raise protocol.ProtocolError(protocol.CONSTRAINT, "the regex constraint allows no next "
+                                     "token", field="constraint")
+    monkeypatch.setattr(constraint.Matcher, "mask", nothing_allowed)
+    with pytest.raises(InvalidRequest) as e:
+        stack.complete(list(ids[0]), max_tokens=8, deadline_s=60, mode=mode,
+                       constraint=Constraint("regex", "[a-z]+"), **kw)
+    assert e.value.code == protocol.CONSTRAINT and "allows no next token" in e.value.message
+
+
+@pytest.mark.parametrize("mode,role,kw", [("spec", "verifier", {"policy": "pipesd"}),
+                                          ("split", "suffix", {"cut": 8})])
+def test_a_constrained_session_replayed_mid_output_resumes_its_constraint(
+        stack, tokenizer, constrained, mode, role, kw):
+    """The replica stops after the first tokens: the replay opens with the output so far, the
+    new replica's matcher advances over it, and the output is still the constrained reference.
+    (A cloud-only replay opens its verifier session as spec's does: the same code.)"""
+    import json
+
+    from common.protocol import Constraint
+    schema, p, want = constrained[0]
+
+    async def go(s):
+        names = [name for name in s.services if name.split("-")[0] == role]
+        async with s.client() as c:
+            tokens, stopped = [], None
+            async for chunk in c.generate(list(p), mode=mode, max_tokens=CN, deadline_s=120,
+                                          constraint=Constraint("json_schema", json.dumps(schema)),
+                                          **kw):
+                tokens += chunk.token_ids
+                if stopped is None and len(tokens) >= 4:
+                    holding = [m for m in names if len(s.services[m].sessions)]
+                    stopped = holding[0]
+                    await s.stop(stopped)
+            return tokens, c.last_result, stopped
+    tokens, result, stopped = stack.call(go)
+    try:
+        assert tokens == want
+        assert result.stats.get("recoveries", 0) >= 1, result.stats
+        _valid(tokenizer, schema, tokens)
+    finally:
+        stack.call(lambda s: s.start(stopped))
+
+
+def test_constrained_gumbel_sampling_is_the_same_sample_in_every_mode(stack, tokenizer,
+                                                                      constrained):
+    """Sampled under the Gumbel coupling the token at a position is argmax(log p' + g): with the
+    masked p' the same seed gives the same constrained sample in every mode and policy (the
+    drafter, the verifier and the suffix all mask)."""
+    import json
+
+    from common.protocol import Constraint
+    schema, p, _ = constrained[0]
+    kw = dict(max_tokens=CN, deadline_s=120, temperature=0.9, seed=11,
+              sampling_coupling="gumbel", constraint=Constraint("json_schema", json.dumps(schema)))
+    runs = stack.complete_many([(list(p), dict(kw, mode="cloud-only")),
+                                (list(p), dict(kw, mode="spec", policy="pipesd")),
+                                (list(p), dict(kw, mode="split", cut=8))])
+    assert runs[0].token_ids == runs[1].token_ids == runs[2].token_ids
+    if runs[0].finish_reason == "eos":
+        _valid(tokenizer, schema, runs[0].token_ids)
