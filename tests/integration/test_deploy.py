@@ -703,7 +703,7 @@ def test_dockerfile_shape():
     ignored = {line.strip() for line in DOCKERIGNORE.read_text().splitlines()}
     for path in (".venv", ".git", "models"):
         assert path in ignored, f".dockerignore should exclude {path}"
-    for path in ("pyproject.toml", "README.md", "common", "services", "tandem"):
+    for path in ("pyproject.toml", "README.md", "common", "services", "tandem", "stack"):
         assert path not in ignored, f".dockerignore must keep {path}"
 
 
