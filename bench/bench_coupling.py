@@ -9,7 +9,7 @@ couplings, on the same held-out prompts and seeds.
 Each (prompt, seed) runs under both couplings, interleaved (the order alternates per pair), in
 spec mode with the same fixed-length policy (vanilla, n = --draft-length: the rounds' lengths do
 not depend on timing, so accepted tokens per round compares the couplings alone) and, with
---policies, others. The whole stack runs in this process (tandem/inprocess.py; no link emulation:
+--policies, others. The whole stack runs in this process (stack/inprocess.py; no link emulation:
 acceptance does not depend on the link). Prompts: the workload's test split (tuning split never
 used). Reported: mean accepted tokens per round per coupling with 95 % bootstrap intervals, and
 the paired ratio gumbel / rejection with its interval.
@@ -28,7 +28,7 @@ COUPLINGS = ("rejection", "gumbel")
 
 
 async def _run(args, prompts: dict[str, list[int]]) -> list[dict]:
-    from tandem.inprocess import InProcessStack
+    from stack.inprocess import InProcessStack
     rows = []
     async with InProcessStack(threads=args.threads) as stack:
         async with stack.client(timeout_s=600) as c:

@@ -8,7 +8,7 @@ Configurations, each the five services as local processes on ephemeral ports, al
 running at once (a waiting stack costs nothing but heartbeats) so that requests can be
 interleaved:
 
-  planned    what `tandem up` starts: common.launcher.planned(), the resource plan of
+  planned    what `tandem up` starts: stack.launcher.planned(), the resource plan of
              common/resources.py (threads and cores per service, passive waiting on shared cores)
   tuned      the benchmarks' hand-set configuration (bench spec / bench split): one thread per
              service, drafter + prefix + dispatcher pinned to core 0, verifier + suffix to core 1
@@ -39,7 +39,7 @@ import warnings
 from pathlib import Path
 
 from bench.report import summary, table, write_json
-from common.launcher import SERVICES, Cluster, planned, run_dir
+from stack.launcher import SERVICES, Cluster, planned, run_dir
 from common.progress import Progress
 
 CONFIGS = ("planned", "tuned", "unplanned", "passive")

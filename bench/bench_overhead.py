@@ -34,7 +34,7 @@ import zmq.asyncio
 from bench.report import summary, table, write_json
 from common import protocol as p
 from common.config import ServiceConfig
-from common.launcher import Cluster, free_port
+from stack.launcher import Cluster, free_port
 from common.runtime import Service
 
 
@@ -215,7 +215,7 @@ def gateway_vs_sdk(tokens: int, reps: int, threads: int) -> dict:
     import httpx
 
     from bench.bench_defaults import ratio_ci
-    from common.observability import start_gateway
+    from stack.observability import start_gateway
     from tandem import Client
 
     cores = os.cpu_count() or 1

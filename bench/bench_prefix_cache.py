@@ -39,7 +39,7 @@ def main(argv=None) -> None:
     from transformers import AutoTokenizer
 
     from common import models
-    from tandem.inprocess import BackgroundStack
+    from stack.inprocess import BackgroundStack
 
     tokenizer = AutoTokenizer.from_pretrained(str(models.prepare_all().target))
     stack = BackgroundStack()

@@ -42,9 +42,9 @@ Statistics. Per-prompt paired comparisons: every ratio (each policy against the 
 baseline, pipesd and cloud-only; TPT over the bound) carries a 95 % bootstrap interval over the
 test prompts (bench/stats.py, scipy.stats.bootstrap, BCa), as `ci95: [lo, hi]`.
 
-Services run as real processes (common.launcher.Cluster): the drafter and the dispatcher (the
+Services run as real processes (stack.launcher.Cluster): the drafter and the dispatcher (the
 edge) pinned to core 0, the verifier (the cloud) to core 1, one thread each. The dispatcher
-reaches the verifier through the WAN emulator (common/wan.py; PipeSD's S1 by default: 20 Mbit/s
+reaches the verifier through the WAN emulator (stack/wan.py; PipeSD's S1 by default: 20 Mbit/s
 up, 200 Mbit/s down, 25 ms one way); `--scenario none` is plain loopback. S2 and S3 are S1's link
 with a slower edge: the drafter held to 50 % / 25 % of its core by a CPU quota. `--uplink` sweeps
 the uplink bandwidth (tuning happens at the first bandwidth).
@@ -69,7 +69,7 @@ from bench.report import BASELINES, summary, table, write_json
 from bench.spec_costs import cpu_seconds, draft_matches, energy_note, rapl_joules, verify_curve
 from bench.stats import mean_ci, ratio_ci
 from bench.tuning import DEFAULTS, PolicyTuner, knob_policy
-from common.launcher import Cluster, free_port
+from stack.launcher import Cluster, free_port
 from common.progress import Progress
 
 POLICIES = ["cloud-only", "vanilla", "hsl", "edgellm", "pipesd", "pipesd-stream",
@@ -83,7 +83,7 @@ class Link:
     """The WAN emulator on its own event-loop thread, between the dispatcher and the verifier."""
 
     def __init__(self, scenario: str, target_port: int):
-        from common.wan import SCENARIOS, WanProxy
+        from stack.wan import SCENARIOS, WanProxy
         sc = SCENARIOS[scenario]
         self.note = sc.note
         self.port = free_port()
@@ -273,7 +273,7 @@ def link_rtt_s(scenario: str) -> float:
     only); 0 on loopback."""
     if scenario == "none":
         return 0.0
-    from common.wan import SCENARIOS
+    from stack.wan import SCENARIOS
     sc = SCENARIOS[LINK_OF.get(scenario, scenario)]
     return (sc.up.latency_ms + sc.down.latency_ms) / 1000
 
@@ -537,7 +537,7 @@ def summarize(runs: dict[tuple, list[dict]], uplinks: list, policies: list[str],
 
 
 def main(argv=None) -> int:
-    from common.wan import SCENARIOS
+    from stack.wan import SCENARIOS
     ap = argparse.ArgumentParser(prog="tandem bench spec", description=__doc__.split("\n")[0])
     ap.add_argument("--workload", default="humaneval", type=str.lower, choices=workloads.WORKLOADS)
     ap.add_argument("--prompts", type=int, default=0,

@@ -44,7 +44,7 @@ from bench import replay
 from bench.bench_spec import reference_outputs
 from bench.report import table, welch_t, write_json
 from common import models
-from common.launcher import Cluster, run_dir
+from stack.launcher import Cluster, run_dir
 from common.progress import Progress
 from common.runner import LayerRangeRunner
 from services.suffix.planning import SCHEDULERS

@@ -2,7 +2,7 @@
 
     python -m bench.dashboard_snapshots [--seconds 60] [--out docs/img/dashboards]
 
-Starts every service locally (common.observability.observed_stack: the five services, a second
+Starts every service locally (stack.observability.observed_stack: the five services, a second
 suffix replica on the dsb scheduler, a real Prometheus scraping all of them each second), drives
 traffic in every mode through the SDK for `--seconds`, then, for each dashboard in
 deploy/grafana/dashboards, runs every panel's PromQL (Grafana's variables rendered as "All")

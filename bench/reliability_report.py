@@ -190,7 +190,7 @@ def render(d: dict) -> str:
     # --- chaos
     L += ["## WAN chaos (tests/integration/test_chaos.py)", "",
           "The dispatcher reaches the verifier (cloud-only, spec) and the suffix (split) through "
-          "the WAN emulator (common/wan.py); two greedy sessions run per condition. *recover* = "
+          "the WAN emulator (stack/wan.py); two greedy sessions run per condition. *recover* = "
           "fault injected to the next token at "
           "the client; *longest gap* = longest silence between two tokens. Replays (reasons: "
           "`down` = heartbeats stopped, `gap` = a token index jumped, `stall` = silence with "

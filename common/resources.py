@@ -32,6 +32,7 @@ Overrides are the services' own settings, `threads` and `cpus` (YAML / `TANDEM_<
 as many threads, unless it names those too); the other services keep their planned shares.
 
 `plan()` is pure (cores and services in, shares out); `usable_cpus()` reads the machine.
+The services' configured overrides are read by stack/plan.py (it loads each service's config).
 `tandem up` plans for every service it starts; `tandem serve SERVICE` (what the containers run)
 plans for the half the service belongs to, on the container's cores (its cpuset and CPU quota).
 """
@@ -220,33 +221,6 @@ def describe(shares: dict[str, Share], cores: Sequence[int] | None = None) -> st
         lines.append(f"  {name:10s} {s.threads:2d} thread{'s' if s.threads != 1 else ' '} "
                      f"on cores {format_cpus(s.cpus):8s} {s.wait + ' wait':18s} ({s.note})")
     return "\n".join(lines)
-
-
-def service_settings(service: str, argv: Sequence[str] = (), env: dict | None = None):
-    """A service's configuration as it will load it (YAML < env < argv): its `threads`, `cpus`
-    and `device` are the plan's overrides and hints."""
-    import importlib
-
-    from common.config import load
-    mod = importlib.import_module(f"services.{service}.config")
-    cls = next(v for k, v in vars(mod).items() if k.lower() == f"{service}config")
-    return load(cls, service, list(argv), env)
-
-
-def plan_services(services: Sequence[str], argv: dict[str, Sequence[str]] | None = None,
-                  env: dict | None = None, cpus: Iterable[int] | None = None
-                  ) -> tuple[list[int], dict[str, Share]]:
-    """The plan for these services on this machine, with their configured overrides."""
-    cores = list(cpus) if cpus is not None else usable_cpus()
-    threads, pinned, gpu = {}, {}, set()
-    for name in services:
-        cfg = service_settings(name, (argv or {}).get(name, ()), env)
-        threads[name] = cfg.threads
-        if cfg.cpus:
-            pinned[name] = parse_cpus(cfg.cpus)
-        if str(getattr(cfg, "device", "cpu")).startswith("cuda"):
-            gpu.add(name)
-    return cores, plan(cores, services, gpu=gpu, threads=threads, pinned=pinned)
 
 
 def available_memory(device) -> int:

@@ -179,7 +179,7 @@ class Service:
         self.cfg = cfg
         self.limits = cfg.limits()
         self.log = logging.getLogger(f"tandem.{self.name}")
-        # a shared context lets services in one process talk over inproc:// (tandem/inprocess.py)
+        # a shared context lets services in one process talk over inproc:// (stack/inprocess.py)
         self.ctx = ctx or zmq.asyncio.Context()
         self._own_ctx = ctx is None
         self.sock: zmq.asyncio.Socket | None = None

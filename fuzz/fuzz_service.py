@@ -41,7 +41,7 @@ with atheris.instrument_imports(include=["common", "services"]):
 
     from common import protocol
     from common.config import ServiceConfig, load
-    from common.launcher import free_port
+    from stack.launcher import free_port
     from common.runtime import Service
 
 LIMITS = protocol.Limits(max_frame_bytes=1 << 20, max_tokens=4096)

@@ -1,5 +1,5 @@
 """Tandem: one LLM served across an edge device and a cloud GPU. This package is the client SDK
-(and the `tandem` command line)."""
+(the `tandem` command line lives in stack/cli.py)."""
 
 from importlib.metadata import PackageNotFoundError, version
 

@@ -251,7 +251,7 @@ class AsyncClient:
         self.resumes = 0                 # continuations sent by this client, all requests
         self.limits = limits or protocol.Limits()
         keys = client_options(curve_server_key, curve_client_key, connect_timeout_s)
-        # `context`: the one an in-process stack's services share (tandem/inprocess.py)
+        # `context`: the one an in-process stack's services share (stack/inprocess.py)
         self.ctx = context or zmq.asyncio.Context()
         self._own_ctx = context is None
         self._keys = keys

@@ -24,9 +24,9 @@ import psutil
 import zmq
 
 from common import protocol
-from common.launcher import Cluster
+from stack.launcher import Cluster
 from common.models import repo_root
-from common.wan import LinkShape, WanProxy
+from stack.wan import LinkShape, WanProxy
 from tests.conftest import metric_samples, wait_until
 
 # Service flags that make failures visible in ~1 s instead of ~6 s (tests only).

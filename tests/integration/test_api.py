@@ -25,7 +25,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from api.app import StopScanner
-from common.launcher import Cluster, free_port
+from stack.launcher import Cluster, free_port
 from common.models import repo_root
 from tests.conftest import PROMPTS
 
@@ -39,7 +39,7 @@ def _gateway(dispatcher: str, logdir: Path, name: str, *extra: str) -> tuple[sub
     log = open(logdir / f"{name}.log", "wb")
     env = {**os.environ, "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join([str(repo_root()), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", "serve", "api", "--port",
+    proc = subprocess.Popen([sys.executable, "-m", "stack.cli", "serve", "api", "--port",
                              str(port), "--dispatcher", dispatcher, *extra], stdout=log,
                             stderr=subprocess.STDOUT, env=env, cwd=str(repo_root()))
     log.close()

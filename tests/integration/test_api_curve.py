@@ -18,12 +18,12 @@ import sys
 
 import pytest
 
-from common.launcher import Cluster, free_port
+from stack.launcher import Cluster, free_port
 from tandem import AsyncClient, Busy, DeadlineExceeded, InvalidRequest, Unavailable
 
 
 def _keys(*args) -> None:
-    subprocess.run([sys.executable, "-m", "tandem.cli", "keys", *args], check=True,
+    subprocess.run([sys.executable, "-m", "stack.cli", "keys", *args], check=True,
                    capture_output=True, text=True, timeout=60)
 
 

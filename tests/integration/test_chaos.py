@@ -1,5 +1,5 @@
 """Chaos on the edge–cloud links: the dispatcher reaches the verifier (cloud-only and spec mode)
-and the suffix (split mode) through the WAN emulator (common/wan.py) while it shapes, drops and
+and the suffix (split mode) through the WAN emulator (stack/wan.py) while it shapes, drops and
 partitions the link mid-generation.
 
 For every condition: greedy output equals transformers' generate(do_sample=False), every token
@@ -25,7 +25,7 @@ import time
 
 import pytest
 
-from common.launcher import SERVICES, Cluster
+from stack.launcher import SERVICES, Cluster
 from common.models import repo_root
 from tests import _reliability as rel
 from tests.conftest import PROMPTS

@@ -15,7 +15,7 @@ import pytest
 
 
 def tandem(*args, env, timeout=400):
-    return subprocess.run([sys.executable, "-m", "tandem.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "stack.cli", *args], capture_output=True,
                           text=True, timeout=timeout, env=env)
 
 
@@ -49,7 +49,7 @@ def test_up_stops_every_service_even_when_signalled_twice(tmp_path, model_paths)
     import re
     import signal
     env = {**os.environ, "TANDEM_RUN_DIR": str(tmp_path), "PYTHONUNBUFFERED": "1"}
-    p = subprocess.Popen([sys.executable, "-m", "tandem.cli", "up"], stdout=subprocess.PIPE,
+    p = subprocess.Popen([sys.executable, "-m", "stack.cli", "up"], stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, env=env)
     out = []
     try:
@@ -88,14 +88,14 @@ def test_serve_rejects_unknown_service():
 
 
 def test_generate_reports_unreachable_dispatcher():
-    from common.launcher import free_port
+    from stack.launcher import free_port
     r = tandem("generate", "hi", "--endpoint", f"tcp://127.0.0.1:{free_port()}", "--deadline", "1",
                env=dict(os.environ), timeout=60)
     assert r.returncode == 1 and "error:" in r.stderr
 
 
 def test_generate_with_nothing_running_fails_fast_with_a_hint():
-    from common.launcher import free_port
+    from stack.launcher import free_port
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     t = time.monotonic()
     r = tandem("generate", "hi", "--endpoint", endpoint, env=dict(os.environ), timeout=60)
@@ -122,7 +122,7 @@ def test_serve_on_a_busy_port_says_so(which):
 
 
 def test_up_on_a_busy_port_says_so(tmp_path):
-    from common.launcher import DEFAULT_PORTS
+    from stack.launcher import DEFAULT_PORTS
     held = []
     try:
         for name in ("dispatcher", "suffix"):   # one ZMQ port, one HTTP port

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from common.launcher import Cluster, free_port
+from stack.launcher import Cluster, free_port
 from tandem import AsyncClient, Client, DeadlineExceeded, InvalidRequest, Unavailable
 from tests.conftest import PROMPTS, forwards_over_one_session, long_prompt
 
@@ -127,7 +127,7 @@ def test_out_of_vocabulary_prompt(client):
 
 
 def test_cli_generate_json(cluster, tokenizer, reference, assert_same_tokens):
-    out = subprocess.run([sys.executable, "-m", "tandem.cli", "generate", PROMPTS["plain"],
+    out = subprocess.run([sys.executable, "-m", "stack.cli", "generate", PROMPTS["plain"],
                           "--endpoint", cluster.endpoint("dispatcher"), "--max-tokens", "8",
                           "--json"], capture_output=True, text=True, timeout=120, check=True)
     data = json.loads(out.stdout)
@@ -159,7 +159,7 @@ def test_a_poisoned_temperature_is_refused_and_the_next_request_served(
     cloud-only request did. Now it is refused naming the field — by the CLI/SDK before sending,
     by the dispatcher and by the verifier when it comes over the wire anyway — and the next
     request is served exactly."""
-    out = subprocess.run([sys.executable, "-m", "tandem.cli", "generate", "Hi", "--endpoint",
+    out = subprocess.run([sys.executable, "-m", "stack.cli", "generate", "Hi", "--endpoint",
                           cluster.endpoint("dispatcher"), "--max-tokens", "4",
                           f"--temperature={value}", "--json"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 1, out

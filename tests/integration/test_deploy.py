@@ -11,7 +11,7 @@
 
 Each tool-based test skips, saying why, when its tool is missing (under CI=true it fails
 with the install hint instead: tests/conftest.need_tool).  The dashboard and Prometheus
-helpers live in common/observability.py, shared with the live test that scrapes the running
+helpers live in stack/observability.py, shared with the live test that scrapes the running
 services (tests/integration/test_observability.py) and the dashboard screenshots (bench/dashboard_snapshots.py).
 """
 
@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from common.observability import (DASHBOARDS, dashboard_queries, evaluate_panels, free_port,
+from stack.observability import (DASHBOARDS, dashboard_queries, evaluate_panels, free_port,
                                   iter_panels, label_values, label_values_query, load_dashboards,
                                   prometheus_query, render_expr, run_prometheus, variable_queries)
 from tests.conftest import need_tool
@@ -703,7 +703,7 @@ def test_dockerfile_shape():
     ignored = {line.strip() for line in DOCKERIGNORE.read_text().splitlines()}
     for path in (".venv", ".git", "models"):
         assert path in ignored, f".dockerignore should exclude {path}"
-    for path in ("pyproject.toml", "README.md", "common", "services", "tandem"):
+    for path in ("pyproject.toml", "README.md", "common", "services", "tandem", "stack"):
         assert path not in ignored, f".dockerignore must keep {path}"
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from common import models, protocol
-from common.launcher import Cluster
+from stack.launcher import Cluster
 from common.protocol import Sampling
 from common.runtime import PeerError
 from services.drafter.engine import DraftError, DraftModel

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from common.launcher import Cluster
+from stack.launcher import Cluster
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 SCRIPTS = sorted(p.name for p in EXAMPLES.glob("*.py") if not p.name.startswith("_"))

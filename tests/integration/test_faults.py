@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from common.launcher import SERVICES, Cluster
+from stack.launcher import SERVICES, Cluster
 from common.models import repo_root
 from tandem import Client, TandemError, Unavailable
 from tests import _reliability as rel

@@ -37,7 +37,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from common import protocol
-from common.launcher import SERVICES, Cluster
+from stack.launcher import SERVICES, Cluster
 from common.models import repo_root
 from tests import _reliability as rel
 from tests import _semantic as sem

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from common import models
-from common.launcher import Cluster
+from stack.launcher import Cluster
 from services.dispatcher.spec_session import POLICIES
 from tests.conftest import NEAR_TIE, PROMPTS
 

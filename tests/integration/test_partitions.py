@@ -1,6 +1,6 @@
 """The cloud unreachable mid-request, and the edge gone for good.
 
-Spec mode through a WAN partition of the dispatcher -> verifier link (common/wan.py):
+Spec mode through a WAN partition of the dispatcher -> verifier link (stack/wan.py):
 * without allow_edge_only the session waits and retries past peer_wait_s (2 s here) until its
   deadline: a partition that heals in time ends with transformers' output, every token once;
   one that outlasts the deadline ends with a clear `deadline` error, not `unavailable` at once;
@@ -21,7 +21,7 @@ import urllib.request
 import pytest
 
 from common import protocol
-from common.launcher import Cluster
+from stack.launcher import Cluster
 from tests import _reliability as rel
 from tests.conftest import PROMPTS
 

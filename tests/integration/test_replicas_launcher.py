@@ -1,4 +1,4 @@
-"""`tandem up --replicas` and supervision (common/launcher.py), without model processes: replica
+"""`tandem up --replicas` and supervision (stack/launcher.py), without model processes: replica
 names, ports and the dispatcher's replica lists; the supervisor restarting a dead process with
 backoff and leaving a stopped one alone; the CLI's flag parsing and `status` rows."""
 
@@ -13,7 +13,7 @@ import time
 import pytest
 
 from common import launcher
-from common.launcher import Cluster, ServiceProc, Supervisor
+from stack.launcher import Cluster, ServiceProc, Supervisor
 
 
 def test_parse_replicas():

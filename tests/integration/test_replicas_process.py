@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from common.launcher import Cluster, Supervisor
+from stack.launcher import Cluster, Supervisor
 from tests.conftest import wait_until
 from tests import _reliability as rel
 from tests._reliability import Recorder

@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 
-from common.launcher import Cluster
+from stack.launcher import Cluster
 from tandem import Client, InvalidRequest
 
 

@@ -1,5 +1,5 @@
 """The resource plan (common/resources.py): pure, so every machine shape is a unit test; plus
-what `tandem up` (common.launcher.planned) and `tandem serve` make of it."""
+what `tandem up` (stack.launcher.planned) and `tandem serve` make of it."""
 
 from __future__ import annotations
 
@@ -147,7 +147,7 @@ def test_describe_names_every_service():
 def test_planned_cluster_takes_settings_as_overrides(tmp_path, monkeypatch):
     """`tandem up`'s cluster: every service gets --threads / --cpus and its env from the plan;
     TANDEM_<SERVICE>_THREADS / _CPUS (or flags) are overrides."""
-    from common.launcher import planned
+    from stack.launcher import planned
     monkeypatch.delenv("TANDEM_THREADS", raising=False)
     monkeypatch.delenv("TANDEM_CPUS", raising=False)
     monkeypatch.setenv("TANDEM_VERIFIER_THREADS", "3")
@@ -163,7 +163,7 @@ def test_planned_cluster_takes_settings_as_overrides(tmp_path, monkeypatch):
     assert c.service_env["prefix"]["GOMP_SPINCOUNT"] == str(resources.SPIN)
     assert "resource plan (4 usable cores" in c.describe()
     state = c.save_state(tmp_path / "state.json")
-    from common.launcher import Cluster
+    from stack.launcher import Cluster
     again = Cluster.from_state(state)
     assert again.procs["verifier"].threads == 3 and again.procs["drafter"].cpus == [1]
     one = planned(ALL, ephemeral=True, logdir=tmp_path, cpus=[0, 1])
@@ -176,7 +176,7 @@ def test_serve_plans_its_half(tmp_path):
     passive waiting printed; a bad cpus setting is one error line, no traceback."""
     env = {**os.environ, "TANDEM_VERIFIER_CPUS": "999"}
     env.pop("TANDEM_CPUS", None)
-    r = subprocess.run([sys.executable, "-m", "tandem.cli", "serve", "verifier"], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "stack.cli", "serve", "verifier"], cwd=ROOT,
                        env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "verifier: cpus 999" in r.stderr
     assert "Traceback" not in r.stderr
@@ -196,7 +196,7 @@ def test_verifier_keeps_to_its_share_only_while_speculating():
     share of threads then, and every thread it has otherwise (cloud-only)."""
     import torch
 
-    from common.launcher import free_port
+    from stack.launcher import free_port
     from services.verifier.config import VerifierConfig
     from services.verifier.engine import CloudSession, EngineSession, Work
     from services.verifier.service import Verifier

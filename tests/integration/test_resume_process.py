@@ -18,7 +18,7 @@ import time
 import openai
 import pytest
 
-from common.launcher import Cluster, Supervisor
+from stack.launcher import Cluster, Supervisor
 from tandem import Client
 from tests import _reliability as rel
 from tests.conftest import metric_samples, wait_until

@@ -16,7 +16,7 @@ import zmq.asyncio
 
 from common import protocol as p
 from common.config import ServiceConfig, load
-from common.launcher import free_port
+from stack.launcher import free_port
 from common.runtime import Peer, PeerError, Service
 from tests.conftest import readyz
 

@@ -35,7 +35,7 @@ import numpy as np
 import pytest
 import torch
 
-from common.launcher import Cluster
+from stack.launcher import Cluster
 from tandem import AsyncClient
 
 pytestmark = pytest.mark.slow

@@ -24,7 +24,7 @@ import zmq.asyncio
 
 from common import protocol, security
 from common.config import ServiceConfig, load
-from common.launcher import Cluster, free_port
+from stack.launcher import Cluster, free_port
 from common.runtime import Service
 from tandem import Busy, Client, InvalidRequest
 from tests import _reliability as rel
@@ -70,7 +70,7 @@ class Tap:
 
 
 def keys_cli(*args) -> str:
-    out = subprocess.run([sys.executable, "-m", "tandem.cli", "keys", *args], check=True,
+    out = subprocess.run([sys.executable, "-m", "stack.cli", "keys", *args], check=True,
                          capture_output=True, text=True, timeout=60)
     return out.stdout
 
@@ -247,7 +247,7 @@ def test_key_config_errors_are_clear(keys, tmp_path):
     assert security.client_keys(good, "drafter") is None     # edge-local links stay plaintext
     assert security.server_keys(cfg()) is None
     # `tandem keys` refuses to overwrite a secret, and an allowlist takes public keys only
-    r = subprocess.run([sys.executable, "-m", "tandem.cli", "keys", "create", "verifier",
+    r = subprocess.run([sys.executable, "-m", "stack.cli", "keys", "create", "verifier",
                         "--dir", str(keys)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "exists" in r.stderr
     with pytest.raises(security.KeyFileError, match="public keys"):

@@ -6,7 +6,7 @@
    forwards overlapping message handling, and a drafter that dies. The fake target is a fixed
    function of the prefix, so its greedy output is known: every policy must reproduce it exactly,
    and a seeded sampled run must give the same tokens under any schedule.
-2. With the real services (common.launcher.Cluster, loopback, ephemeral ports): greedy output of
+2. With the real services (stack.launcher.Cluster, loopback, ephemeral ports): greedy output of
    every policy equals transformers' generate(do_sample=False), with the Q4_0 drafter and with the
    Q4_1 one; seeded sampling is reproducible; protocol abuse gets clear errors; a drafter killed
    mid-request is survived without a lost or repeated token.
@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from common import protocol
-from common.launcher import Cluster
+from stack.launcher import Cluster
 from common.protocol import Sampling
 from services.dispatcher import spec_session as ss
 from services.dispatcher.dp_batching import BatchPlanner

@@ -17,7 +17,7 @@ import torch
 import zmq.asyncio
 
 from common import protocol, sampling
-from common.launcher import Cluster
+from stack.launcher import Cluster
 from common.runtime import Peer, PeerError
 from tandem import AsyncClient, Client, InvalidRequest, Unavailable
 from tests.conftest import PROMPTS, metric_samples

@@ -1,4 +1,4 @@
-"""The WAN emulator (common/wan.py): what it is set to is what a client measures through it.
+"""The WAN emulator (stack/wan.py): what it is set to is what a client measures through it.
 
 Timing assertions allow 10 % (the acceptance bar) plus a few ms of loop overhead. The proxy never
 delivers early and CPU contention only adds delay, so a delay is judged by its best of several
@@ -25,7 +25,7 @@ import zmq
 import zmq.asyncio
 
 from common import wan_cli
-from common.wan import SCENARIOS, LinkShape, Schedule, Step, WanControl, WanProxy, s4_schedule
+from stack.wan import SCENARIOS, LinkShape, Schedule, Step, WanControl, WanProxy, s4_schedule
 
 HOST = "127.0.0.1"
 ROOT = Path(__file__).resolve().parents[2]
@@ -530,7 +530,7 @@ def test_cli_runs_a_link_until_interrupted():
     async def main():
         srv, port = await echo_server()
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "common.wan_cli", "--listen", f"{HOST}:0",
+            sys.executable, "-m", "stack.wan_cli", "--listen", f"{HOST}:0",
             "--target", f"{HOST}:{port}", "--scenario", "s1", "--up-latency-ms", "40",
             "--control", f"{HOST}:0", cwd=ROOT, stdout=subprocess.PIPE,
             env={**os.environ, "PYTHONPATH": str(ROOT)})

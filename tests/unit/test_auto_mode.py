@@ -15,7 +15,7 @@ from services.dispatcher import auto_policy
 from services.dispatcher.auto_policy import SpecFigures
 from services.dispatcher.config import AutoConfig
 from tandem import InvalidRequest
-from tandem.inprocess import BackgroundStack
+from stack.inprocess import BackgroundStack
 
 PROMPT = "def fibonacci(n):\n"
 N = 16

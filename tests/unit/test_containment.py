@@ -17,7 +17,7 @@ import torch
 import zmq.asyncio
 
 from common import protocol as p
-from common.launcher import free_port
+from stack.launcher import free_port
 from common.runtime import Peer, PeerError
 from tests.conftest import readyz
 

@@ -121,7 +121,7 @@ SAMPLED = dict(temperature=0.8, top_p=0.95, sampling_coupling="gumbel")
 
 @pytest.fixture(scope="module")
 def stack(model_paths):
-    from tandem.inprocess import BackgroundStack
+    from stack.inprocess import BackgroundStack
     s = BackgroundStack()
     yield s
     s.close()

@@ -1,5 +1,5 @@
 """Every mode, batching and recovery with the real service objects in this process
-(tandem/inprocess.py: the five services on ZMQ's inproc:// transport, the wire unchanged), in
+(stack/inprocess.py: the five services on ZMQ's inproc:// transport, the wire unchanged), in
 seconds instead of the minutes the process-based suites take. transformers' own
 `generate(do_sample=False)` is the reference throughout."""
 
@@ -12,7 +12,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from common.stats import RequestStats
-from tandem.inprocess import BackgroundStack
+from stack.inprocess import BackgroundStack
 
 PROMPTS = ["def fibonacci(n):\n", "The history of the printing press begins",
            "Once upon a time", "What are three good habits for writing clean Python code?"]

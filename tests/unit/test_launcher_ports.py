@@ -1,4 +1,4 @@
-"""The ports an ephemeral cluster (tests, fuzzing) gives its services: common/launcher.free_port."""
+"""The ports an ephemeral cluster (tests, fuzzing) gives its services: stack/launcher.free_port."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ import math
 import numpy as np
 import pytest
 
-from common.wan import Schedule, Step
+from stack.wan import Schedule, Step
 from services.dispatcher.learned_trigger import (REASON_LEARNED, AcceptanceModel,
                                                  LearnedConfig, LearnedTrigger, features)
 from services.dispatcher.spec_mode import POLICY_KNOBS

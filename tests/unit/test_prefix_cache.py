@@ -95,7 +95,7 @@ def test_a_disabled_cache_keeps_nothing_but_still_budgets():
 # --- through the in-process stack -------------------------------------------------------------
 @pytest.fixture(scope="module")
 def stack(model_paths):
-    from tandem.inprocess import BackgroundStack
+    from stack.inprocess import BackgroundStack
 
     s = BackgroundStack()
     yield s

@@ -270,7 +270,7 @@ def test_unavailable_without_a_dispatcher_is_retried_then_raised():
 
 def test_tandem_version(capsys):
     from tandem import __version__
-    from tandem.cli import main
+    from stack.cli import main
     with pytest.raises(SystemExit) as e:
         main(["--version"])
     assert e.value.code == 0

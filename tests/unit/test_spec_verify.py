@@ -315,7 +315,7 @@ def test_repeated_open_of_another_session_kind_is_refused():
     never silently taken as a retry of the other kind."""
     import asyncio
 
-    from common.launcher import free_port
+    from stack.launcher import free_port
     from services.verifier.config import VerifierConfig
     from services.verifier.engine import CloudSession
     from services.verifier.service import Verifier

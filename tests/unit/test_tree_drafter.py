@@ -175,7 +175,7 @@ def test_engine_refuses_bad_trees(model, prompt):
 # --- the service, in-process ------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def drafter():
-    from tandem.inprocess import InProcessStack
+    from stack.inprocess import InProcessStack
 
     async def start():
         st = InProcessStack(threads=1)

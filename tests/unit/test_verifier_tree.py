@@ -15,7 +15,7 @@ import torch
 
 from common import protocol as p
 from common import tree
-from common.launcher import free_port
+from stack.launcher import free_port
 from common.runner import LayerRangeRunner
 from services.verifier.config import VerifierConfig
 from services.verifier.service import Verifier

@@ -10,8 +10,8 @@
     tandem generate PROMPT ...  one request through the SDK [--json]
     tandem up --model NAME | --target PATH [--drafter GGUF]   serve another model (docs/models.md)
     tandem models list|prepare [NAME]|check --target PATH [--drafter GGUF]|show  [--json]
-    tandem link ...             the WAN emulator (common/wan_cli.py)
-    tandem keys ...             CURVE key pairs for the edge-cloud links (tandem/keys.py)
+    tandem link ...             the WAN emulator (stack/wan_cli.py)
+    tandem keys ...             CURVE key pairs for the edge-cloud links (stack/keys.py)
     tandem bench ...            benchmarks (bench/)
 """
 
@@ -31,7 +31,7 @@ DEMO_PROMPT = "Explain in two sentences why speculative decoding is lossless."
 
 
 def _available_services() -> list[str]:
-    from common.launcher import GATEWAY, SERVICES
+    from stack.launcher import GATEWAY, SERVICES
     root = Path(__file__).resolve().parent.parent
     found = [s for s in SERVICES if (root / "services" / s / "service.py").is_file()]
     if "dispatcher" in found and (root / "api" / "service.py").is_file():
@@ -136,7 +136,7 @@ def _fail(args, code: str, message: str, hint: str = "", field: str = "") -> int
 
 def cmd_up(args) -> int:
     from common import models
-    from common.launcher import (Cluster, Supervisor, parse_replicas, planned,
+    from stack.launcher import (Cluster, Supervisor, parse_replicas, planned,
                                  run_dir, supervise_detached)
 
     existing = Cluster.from_state()
@@ -290,7 +290,7 @@ def _stats_line(stats: dict) -> str:
 
 
 def cmd_down(args) -> int:
-    from common.launcher import Cluster, run_dir, stop_supervisor
+    from stack.launcher import Cluster, run_dir, stop_supervisor
     stop_supervisor()   # first, so that it does not restart what we stop
     c = Cluster.from_state()
     if c is None:
@@ -305,7 +305,7 @@ def cmd_down(args) -> int:
 
 
 def cmd_status(args) -> int:
-    from common.launcher import Cluster
+    from stack.launcher import Cluster
     c = Cluster.from_state()
     rows = []
     if c is not None:
@@ -353,7 +353,8 @@ def _plan_serve(service: str, rest: list[str]) -> list[str]:
     verifier, suffix) ran beside it, as it does in a deployment: threads, affinity and how idle
     threads wait, before torch or llama.cpp start a thread.  Its own threads / cpus settings win."""
     from common import resources
-    cfg = resources.service_settings(service, rest)
+    from stack.plan import service_settings
+    cfg = service_settings(service, rest)
     gpu = [service] if str(getattr(cfg, "device", "cpu")).startswith("cuda") else []
     try:
         pinned = {service: resources.parse_cpus(cfg.cpus)} if cfg.cpus else {}
@@ -479,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
         sv.print_help()
         return 0
     if argv and argv[0] in ("link", "bench", "keys"):
-        module = {"link": "common.wan_cli", "bench": "bench.cli", "keys": "tandem.keys"}[argv[0]]
+        module = {"link": "stack.wan_cli", "bench": "bench.cli", "keys": "stack.keys"}[argv[0]]
         return importlib.import_module(module).main(argv[1:]) or 0
     args, rest = ap.parse_known_args(argv)
     if args.cmd == "serve":

@@ -9,7 +9,7 @@ tests/integration/test_observability.py: the running services) and by the dashbo
 * `run_prometheus()` — a real Prometheus (Debian package `prometheus`) on loopback scraping the
   given targets; `prometheus_query()` / `prometheus_query_range()` / `evaluate_panels()`;
 * `promtool_check_metrics()` — `promtool check metrics` on an exposition text;
-* `observed_stack()` — every service as a local process (common.launcher.Cluster), with a second
+* `observed_stack()` — every service as a local process (stack.launcher.Cluster), with a second
   suffix replica on another scheduler, and a Prometheus scraping all of them every second;
 * `drive_traffic()` — requests in every mode through the SDK: cloud-only, speculative (several
   policies), split (both suffix replicas, several cuts), and one invalid request.
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import yaml
 
-from common.launcher import free_port
+from stack.launcher import free_port
 from common.models import repo_root
 
 DASHBOARDS = repo_root() / "deploy" / "grafana" / "dashboards"
@@ -238,7 +238,7 @@ ONE_THREAD = ["--threads", "1"]          # two shared cores: each model process 
 
 @dataclass
 class Stack:
-    cluster: object                      # common.launcher.Cluster: the five services
+    cluster: object                      # stack.launcher.Cluster: the five services
     replica: object                      # a Cluster holding the second suffix replica
     prometheus: str                      # base URL
     api: str = ""                        # the OpenAI-compatible gateway's base URL (api/)
@@ -260,7 +260,7 @@ def observed_stack(workdir: Path, ready_timeout: float = 300.0) -> Iterator[Stac
     """Every service as a local process on ephemeral ports, plus a second suffix replica on the
     other scheduler (the dispatcher takes turns over the two for new split sessions), and a real
     Prometheus scraping every /metrics each second."""
-    from common.launcher import Cluster
+    from stack.launcher import Cluster
 
     tool("prometheus")
     workdir.mkdir(parents=True, exist_ok=True)
@@ -303,7 +303,7 @@ def start_gateway(dispatcher: str, log: Path, timeout: float = 120.0
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo_root()),
                                                         os.environ.get("PYTHONPATH", "")])}
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", "serve", "api", "--port",
+        proc = subprocess.Popen([sys.executable, "-m", "stack.cli", "serve", "api", "--port",
                                  str(port), "--dispatcher", dispatcher], stdout=out,
                                 stderr=subprocess.STDOUT, env=env, cwd=str(repo_root()))
     base = f"http://127.0.0.1:{port}"

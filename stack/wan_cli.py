@@ -24,7 +24,7 @@ import sys
 import urllib.error
 import urllib.request
 
-from common.wan import DIRECTIONS, JITTER_DISTS, PARTITION_MODES, SCENARIOS, LinkShape, \
+from stack.wan import DIRECTIONS, JITTER_DISTS, PARTITION_MODES, SCENARIOS, LinkShape, \
     WanControl, WanProxy
 
 CLIENT_COMMANDS = ("set", "partition", "drop", "state", "scenarios")

@@ -4,7 +4,8 @@
 services.<name>.service` with its own ports, logs to run/<name>.log, and a state file
 (run/state.json) records what runs where so `tandem status` and `tandem down` find it.
 `planned()` builds the cluster `tandem up` starts: each service with its share of the machine
-(threads, cores, thread-pool settings) from common/resources.py.
+(threads, cores, thread-pool settings) from common/resources.py, with the services' own
+settings read by stack/plan.py.
 
 Replicas (`tandem up --replicas verifier=2,suffix=2`): a cloud service may run as several
 processes, "verifier", "verifier-1", ..., replica i on its role's ports + 100·i; the dispatcher
@@ -32,6 +33,7 @@ from pathlib import Path
 from common import resources
 from common.config import API_PORT, DEFAULT_PORTS
 from common.models import repo_root
+from stack import plan
 
 SERVICES = ("verifier", "drafter", "prefix", "suffix", "dispatcher")
 REPLICABLE = ("verifier", "suffix")   # stateless across sessions: any number of replicas
@@ -323,7 +325,7 @@ def planned(services=SERVICES, ephemeral: bool = False, extra: dict | None = Non
     extra = {k: [str(a) for a in v] for k, v in (extra or {}).items()}
     merged = {**os.environ, **{k: v for k, v in (env or {}).items() if v is not None}}
     wire = [s for s in services if s != GATEWAY]
-    cores, shares = resources.plan_services(wire, argv=extra, env=merged, cpus=cpus)
+    cores, shares = plan.plan_services(wire, argv=extra, env=merged, cpus=cpus)
     if GATEWAY in services:   # light, like the dispatcher: one thread on its cores (the edge's)
         base = shares.get("dispatcher")
         shares = {**shares, GATEWAY: resources.Share(
@@ -411,7 +413,7 @@ def supervise_detached(state: Path) -> int:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo_root()),
                                                         os.environ.get("PYTHONPATH", "")])}
     logf = open(run_dir() / "supervisor.log", "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "common.launcher", "supervise", str(state)],
+    proc = subprocess.Popen([sys.executable, "-m", "stack.launcher", "supervise", str(state)],
                             stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=str(repo_root()),
                             start_new_session=True)
     logf.close()
@@ -466,8 +468,8 @@ def tail(path: str, n: int = 20) -> str:
         return "(no log)"
 
 
-if __name__ == "__main__":   # python -m common.launcher supervise STATE (tandem up --detach)
+if __name__ == "__main__":   # python -m stack.launcher supervise STATE (tandem up --detach)
     if len(sys.argv) == 3 and sys.argv[1] == "supervise":
         _supervise_main(sys.argv[2])
     else:
-        raise SystemExit("usage: python -m common.launcher supervise STATE_FILE")
+        raise SystemExit("usage: python -m stack.launcher supervise STATE_FILE")
