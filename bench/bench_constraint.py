@@ -86,7 +86,7 @@ async def generate(sample, modes, max_tokens: int) -> list[dict]:
 
     from common import models
     from common.protocol import Constraint
-    from tandem.inprocess import InProcessStack
+    from stack.inprocess import InProcessStack
 
     tok = AutoTokenizer.from_pretrained(str(models.prepare_all().target))
     rows = []

@@ -34,7 +34,7 @@ import matplotlib.dates as mdates
 import matplotlib.pyplot as plt
 import numpy as np
 
-from common import observability as obs
+from stack import observability as obs
 from bench import traffic
 from common.models import repo_root
 

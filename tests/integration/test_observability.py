@@ -22,7 +22,7 @@ import urllib.request
 import pytest
 
 from bench import traffic
-from common import observability as obs
+from stack import observability as obs
 from tests.conftest import need_tool, wait_until
 
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from common import launcher
+from stack import launcher
 from stack.launcher import Cluster, ServiceProc, Supervisor
 
 
@@ -105,7 +105,7 @@ def test_supervisor_restarts_a_dead_service_with_backoff(tmp_path):
 
 
 def test_status_lists_each_replica(tmp_path, monkeypatch, capsys):
-    from tandem import cli
+    from stack import cli
     monkeypatch.setenv("TANDEM_RUN_DIR", str(tmp_path))
     c = Cluster(services=("verifier", "dispatcher"), logdir=tmp_path, ephemeral=True,
                 replicas={"verifier": 2})
@@ -121,7 +121,7 @@ def test_status_lists_each_replica(tmp_path, monkeypatch, capsys):
 
 
 def test_up_refuses_a_bad_replicas_flag(tmp_path, monkeypatch, capsys):
-    from tandem import cli
+    from stack import cli
     monkeypatch.setenv("TANDEM_RUN_DIR", str(tmp_path))
     assert cli.main(["up", "--replicas", "drafter=2"]) == 1
     assert "cannot be replicated" in capsys.readouterr().err

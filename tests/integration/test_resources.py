@@ -180,7 +180,7 @@ def test_serve_plans_its_half(tmp_path):
                        env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "verifier: cpus 999" in r.stderr
     assert "Traceback" not in r.stderr
-    code = ("import sys; from tandem import cli; "
+    code = ("import sys; from stack import cli; "
             "print(cli._plan_serve('drafter', sys.argv[1:]))")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TANDEM_", "OMP_"))}
     r = subprocess.run([sys.executable, "-c", code, "--log-level", "info"], cwd=ROOT, env=env,

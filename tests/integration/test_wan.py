@@ -24,7 +24,7 @@ import uvloop
 import zmq
 import zmq.asyncio
 
-from common import wan_cli
+from stack import wan_cli
 from stack.wan import SCENARIOS, LinkShape, Schedule, Step, WanControl, WanProxy, s4_schedule
 
 HOST = "127.0.0.1"

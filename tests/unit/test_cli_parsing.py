@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from bench import bench_spec
-from tandem import cli
+from stack import cli
 
 
 def test_serve_help_lists_the_services_settings(capsys):

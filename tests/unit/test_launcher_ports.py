@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 
-from common import launcher
+from stack import launcher
 
 
 def test_ports_come_from_below_the_kernels_ephemeral_range_once_each():

@@ -11,7 +11,7 @@ import os
 import pytest
 
 from common import models
-from tandem import cli
+from stack import cli
 
 
 def gemma_or_skip():
