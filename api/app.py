@@ -624,7 +624,7 @@ class Run:
         prompt = len(self.ids)
         return {"prompt_tokens": prompt, "completion_tokens": self.tokens,
                 "total_tokens": prompt + self.tokens,
-                "prompt_tokens_details": {"cached_tokens": int(self.stats.get("cached_tokens") or 0)}}
+                "prompt_tokens_details": {"cached_tokens": int(self.stats().get("cached_tokens") or 0)}}
 
     def done(self) -> None:
         mode = self.params.mode

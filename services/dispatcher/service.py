@@ -17,6 +17,8 @@ import asyncio
 import time
 from urllib.parse import urlsplit
 
+import msgspec
+
 from common import chat, constraint, metrics, protocol, security
 from common.protocol import ProtocolError
 from common.runtime import PeerError, Service
@@ -182,6 +184,12 @@ class Dispatcher(Service):
         if auto:   # admitted as the mode chosen for it
             msg, choice, partner = self.auto.admit(self, msg)
             mode = msg.mode
+            # a seed gives one text whatever mode auto picks only under the Gumbel coupling
+            # (rejection sampling's text depends on the drafts): a seeded request that names no
+            # coupling gets it
+            if msg.sampling.seed is not None and not msg.sampling.coupling:
+                msg = msgspec.structs.replace(msg, sampling=msgspec.structs.replace(
+                    msg.sampling, coupling="gumbel"))
         policy = self.modes[mode].policy(self, msg)
         prompt = ids
         resumed = self.resume_ids(msg, len(prompt))
