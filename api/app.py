@@ -863,14 +863,19 @@ def create_app(cfg: ApiConfig | None = None) -> Starlette:
                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     # --- vLLM's token routes and probe ---
+    async def token_route_body(request: Request) -> dict:
+        """The body of a /tokenize or /detokenize request, once its key and model are checked."""
+        authorize(request)
+        if not gw.ready:
+            raise ApiError(503, "the gateway is starting", code="unavailable",
+                           type="service_unavailable_error")
+        body = await read_body(request, cfg.max_body_bytes)
+        check_model(body, gw.model_ids)
+        return body
+
     async def tokenize(request: Request) -> Response:
         try:
-            authorize(request)
-            if not gw.ready:
-                raise ApiError(503, "the gateway is starting", code="unavailable",
-                               type="service_unavailable_error")
-            body = await read_body(request, cfg.max_body_bytes)
-            check_model(body, gw.model_ids)
+            body = await token_route_body(request)
             if ("prompt" in body) == ("messages" in body):
                 raise ApiError(400, "prompt or messages: send one of them", param="prompt",
                                code="missing_required_parameter")
@@ -888,12 +893,7 @@ def create_app(cfg: ApiConfig | None = None) -> Starlette:
 
     async def detokenize(request: Request) -> Response:
         try:
-            authorize(request)
-            if not gw.ready:
-                raise ApiError(503, "the gateway is starting", code="unavailable",
-                               type="service_unavailable_error")
-            body = await read_body(request, cfg.max_body_bytes)
-            check_model(body, gw.model_ids)
+            body = await token_route_body(request)
             tokens = body.get("tokens")
             if tokens is None:
                 raise ApiError(400, "tokens: required", param="tokens",
