@@ -84,7 +84,7 @@ def test_up_stops_every_service_even_when_signalled_twice(tmp_path, model_paths)
 
 def test_serve_rejects_unknown_service():
     r = tandem("serve", "teleporter", env=dict(os.environ), timeout=60)
-    assert r.returncode == 2 and "unknown service" in r.stderr
+    assert r.returncode == 2 and "invalid choice: 'teleporter'" in r.stderr
 
 
 def test_generate_reports_unreachable_dispatcher():
