@@ -191,16 +191,15 @@ class Dispatcher(Service):
                 msg = msgspec.structs.replace(msg, sampling=msgspec.structs.replace(
                     msg.sampling, coupling="gumbel"))
         policy = self.modes[mode].policy(self, msg)
-        prompt = ids
-        resumed = self.resume_ids(msg, len(prompt))
-        req = Request(self, ident, msg, prompt + resumed, mode, policy, resumed=len(resumed))
+        resumed = self.resume_ids(msg, len(ids))
+        req = Request(self, ident, msg, ids + resumed, mode, policy, resumed=len(resumed))
         req.choice, req.switch_to = choice, partner
         req.client = security.client_id(ident, frames, msg.client, self.delegates)
         req.quota = len(req.prompt_ids) + req.max_tokens   # a continuation's: the original's
         self.quota.admit(req.client, req.quota)       # per-client limits: busy / too_large
         self.requests[key] = req
         metrics.ACTIVE_SESSIONS.labels(self.name, mode).inc()
-        metrics.PROMPT_TOKENS.labels(self.name, mode).inc(len(prompt))
+        metrics.PROMPT_TOKENS.labels(self.name, mode).inc(len(ids))
         if msg.resume_ids is not None:
             metrics.RESUMED_REQUESTS.labels(self.name, mode).inc()
         self.spawn(self.serve_request(key, req))

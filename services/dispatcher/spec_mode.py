@@ -342,11 +342,7 @@ class SpecRun:
         committed = self.rec.committed()
         # the cache to adopt, unless its replica went down and the session opens elsewhere
         adopt = self.adopt[1] if self.adopt and self.vpeer is self.adopt[0] else ""
-        await self.vch.send(protocol.SpecOpen(sid=self.vsid, seq=OPEN_SEQ, token_ids=committed,
-                                              sampling=req.sampling, stream=self.policy.stream,
-                                              logprobs=req.msg.logprobs, adopt=adopt,
-                                              max_tokens=max(1, req.max_tokens - len(req.tokens)),
-                                              **req.constraint_fields()))
+        await self.vch.send(self._spec_open(committed, adopt))
         # One token wanted: it is the target's own (the last wanted position always is), so no
         # draft could be used and the drafter's prefill would be wasted edge work. It is opened
         # anyway when the request may have to go on from the drafter alone (allow_edge_only).
@@ -422,7 +418,7 @@ class SpecRun:
     async def replay_verifier(self) -> None:
         """Rebuild the verifier session on a live replica from the committed tokens; the drafts
         past them are verified again there (SpecRounds.verifier_lost)."""
-        req, d = self.req, self.d
+        d = self.d
         old_peer, old_sid = self.vpeer, self.vsid
         self.vpeer = await self.rec.connect()
         self.vsid = self.rec.sid
@@ -433,12 +429,7 @@ class SpecRun:
         self._reader(self.vch, self.vsrc)
         self.sent_at.clear()
         self.last_v = time.monotonic()
-        await self.vch.send(protocol.SpecOpen(sid=self.vsid, seq=OPEN_SEQ,
-                                              token_ids=self.rec.committed(),
-                                              sampling=req.sampling, stream=self.policy.stream,
-                                              logprobs=req.msg.logprobs,
-                                              max_tokens=max(1, req.max_tokens - len(req.tokens)),
-                                              **req.constraint_fields()))
+        await self.vch.send(self._spec_open(self.rec.committed()))
         await self.act(self.sm.verifier_lost())
 
     async def _reference(self) -> list[int]:
@@ -731,11 +722,18 @@ class SpecRun:
         self.edge_only = False
         req.stats["resumed_at"] = len(req.tokens)
         self.last_v = time.monotonic()
-        await self.vch.send(protocol.SpecOpen(sid=self.vsid, seq=OPEN_SEQ, token_ids=committed,
-                                              sampling=req.sampling, stream=self.policy.stream,
-                                              logprobs=req.msg.logprobs,
-                                              **req.constraint_fields()))
+        await self.vch.send(self._spec_open(committed))
         await self.act(self.sm.resync(len(committed), committed[-1]))
+
+    def _spec_open(self, committed: list[int], adopt: str = "") -> protocol.SpecOpen:
+        """The verifier session's open, on the committed tokens: the first, or a reopen after a
+        lost verifier or a resync (what the request asks of every verification is the same)."""
+        req = self.req
+        return protocol.SpecOpen(sid=self.vsid, seq=OPEN_SEQ, token_ids=committed,
+                                 sampling=req.sampling, stream=self.policy.stream,
+                                 logprobs=req.msg.logprobs, adopt=adopt,
+                                 max_tokens=max(1, req.max_tokens - len(req.tokens)),
+                                 **req.constraint_fields())
 
     # --- teardown -------------------------------------------------------------------------------
     async def close(self) -> None:

@@ -127,11 +127,12 @@ class Verifier(Service):
         old.ident, old.rid = ident, msg.rid
         return old
 
-    def adopted_kv(self, ident: bytes, msg: protocol.CloudGenerate | protocol.SpecOpen):
-        """The KV cache a new session starts with: a fresh one, or the one of the session it
-        adopts (protocol ADOPT), which ends here."""
+    def session_kv(self, ident: bytes, msg: protocol.CloudGenerate | protocol.SpecOpen,
+                   new_tokens: int):
+        """(kv, reused rows) a new session starts with: the cache of the session it adopts
+        (protocol ADOPT), which ends here, else one within the budget (open_kv)."""
         if not msg.adopt:
-            return self.runner.new_kv()
+            return self.open_kv(msg.token_ids, new_tokens)
         old = self.sessions.get(msg.adopt)
         if not isinstance(old, EngineSession) or old.ident != ident or old.closed:
             raise ProtocolError(protocol.UNKNOWN_SESSION, f"adopt: no session {msg.adopt!r} of "
@@ -140,7 +141,7 @@ class Verifier(Service):
             raise ProtocolError(protocol.BAD_FIELD, "adopt: token_ids needs two tokens at least",
                                 field="token_ids")
         self.sessions.pop(msg.adopt)
-        return old.kv
+        return old.kv, 0
 
     async def matcher(self, msg) -> constraint.Matcher | None:
         """The open message's output constraint, advanced over the output it already has (a
@@ -157,10 +158,7 @@ class Verifier(Service):
         if self.retried_open(ident, msg, CloudSession) is not None:
             return   # the stream goes on, to whoever asked last
         matcher = await self.matcher(msg)
-        if msg.adopt:   # the cache of the session it takes over (protocol ADOPT)
-            kv, hit = self.adopted_kv(ident, msg), 0
-        else:
-            kv, hit = self.open_kv(msg.token_ids, msg.max_tokens)
+        kv, hit = self.session_kv(ident, msg, msg.max_tokens)
         s = CloudSession(msg.sid, ident, msg.rid, msg.seq, kv, msg, cached=hit, matcher=matcher)
         s.adopting = bool(msg.adopt)
         self.add(s)
@@ -174,11 +172,8 @@ class Verifier(Service):
         protocol.check_sampling(msg.sampling, self.vocab_size)
         matcher = await self.matcher(msg)
         # room for what it may generate, and a tree round's nodes past the committed tokens
-        if msg.adopt:   # the cache of the session it takes over (protocol ADOPT)
-            kv, hit = self.adopted_kv(ident, msg), 0
-        else:
-            kv, hit = self.open_kv(msg.token_ids, (msg.max_tokens or self.cfg.kv_reserve_tokens)
-                                   + self.cfg.max_tree_nodes)
+        kv, hit = self.session_kv(ident, msg, (msg.max_tokens or self.cfg.kv_reserve_tokens)
+                                  + self.cfg.max_tree_nodes)
         s = SpecSession(msg.sid, ident, msg.rid, msg.seq, kv,
                         list(msg.token_ids), msg.sampling, msg.stream and self.cfg.stream_verify,
                         self.vocab_size, self.limits.max_tokens,
