@@ -11,48 +11,29 @@ import asyncio
 import time
 
 import pytest
-import zmq
-import zmq.asyncio
 
 from common import protocol
 from tandem import AsyncClient, Unavailable
 from tandem.link import LinkState, resume_refusal
+from tests.unit.test_sdk_conventions import FakeDispatcher
 
 LIMITS = protocol.Limits()
 FAST = {"heartbeat_s": 0.05, "link_timeout_s": 0.4}
 
 
-class RestartingDispatcher:
+class RestartingDispatcher(FakeDispatcher):
     """Streams `first` tokens of a new request, then holds it (the run that will be lost); a
     continuation gets its last held token again (a duplicate the SDK must drop), then the rest
     up to max_tokens and Done. `restart()` changes the run answering pings; `mute` stops them."""
 
     def __init__(self, first: int = 3):
+        super().__init__(script=[])
         self.first = first
         self.instance = "run-1"
         self.mute = False
-        self.requests: list[protocol.GenerateRequest] = []
-        self.cancels: list[int] = []
-        self.ctx = zmq.asyncio.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.endpoint = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
-        self.task: asyncio.Task | None = None
 
     def restart(self) -> None:
         self.instance = f"run-{int(self.instance.split('-')[1]) + 1}"
-
-    async def __aenter__(self) -> "RestartingDispatcher":
-        self.task = asyncio.get_running_loop().create_task(self.serve())
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        self.task.cancel()
-        await asyncio.gather(self.task, return_exceptions=True)
-        self.sock.close(linger=0)
-        self.ctx.term()
-
-    async def send(self, ident: bytes, msg: protocol.Msg) -> None:
-        await self.sock.send_multipart([ident, *protocol.encode(msg)])
 
     async def serve(self) -> None:
         while True:
