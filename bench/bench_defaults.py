@@ -177,16 +177,21 @@ COLUMNS = [("mode", "mode"), ("config", "config"), ("n", "n"), ("tpt_ms", "TPT m
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="tandem bench defaults", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true",
-                    help="1 prompt, 2 repeats, 12 tokens: it runs and reports (CI)")
+                    help="planned and tuned only, 1 prompt, 1 warm-up, 2 repeats, 12 tokens: it "
+                         "runs and reports (CI)")
     ap.add_argument("--json", help="write results here")
-    ap.add_argument("--configs", default="planned,tuned,unplanned", help=f"of {', '.join(CONFIGS)}")
+    ap.add_argument("--configs", default="", help=f"of {', '.join(CONFIGS)} (default planned,tuned,"
+                                                  "unplanned)")
     ap.add_argument("--modes", default=",".join(MODES), help=f"of {', '.join(MODES)}")
     ap.add_argument("--max-tokens", type=int, default=0, help="tokens per request (default 48)")
     ap.add_argument("--repeats", type=int, default=0, help="runs per prompt (default 4)")
-    ap.add_argument("--warmup", type=int, default=2, help="unmeasured requests per mode first")
+    ap.add_argument("--warmup", type=int, default=None,
+                    help="unmeasured requests per mode first (default 2; quick 1)")
     ap.add_argument("--bo", action="store_true", help="leave pipesd's BO autotuner on")
     args = ap.parse_args(argv)
-    configs = [c for c in args.configs.split(",") if c]
+    configs = [c for c in (args.configs or ("planned,tuned" if args.quick else
+                                            "planned,tuned,unplanned")).split(",") if c]
+    warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
     modes = [m for m in args.modes.split(",") if m]
     bad = sorted(set(configs) - set(CONFIGS)) + sorted(set(modes) - set(MODES))
     if bad or not configs or not modes:
@@ -219,7 +224,7 @@ def main(argv=None) -> int:
               flush=True)
         for config in configs:   # first-call costs (oneDNN packing, llama.cpp graphs) left out
             for mode in modes:
-                for _ in range(args.warmup):
+                for _ in range(warmup):
                     request(clients[config], mode, PROMPTS[kinds[0]], n)
         total = repeats * len(kinds) * len(modes) * len(configs)
         with Progress(total, "bench defaults", tick=True) as bar:

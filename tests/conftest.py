@@ -26,10 +26,12 @@ PROMPTS = BUILTIN_PROMPTS   # shipped in the package: `tandem bench` must not ne
 
 # Modules whose assertions need the machine to themselves: delays measured through the WAN
 # emulator, heartbeat and deadline races, replica balance and memory under load, a supervisor's
-# backoff. scripts/test.sh runs them alone after everything else, which runs on two workers.
+# backoff, a live Prometheus' scrapes. scripts/test.sh runs them alone after everything else,
+# which runs on two workers, a module per worker (test_cli's `tandem up` holds the default
+# ports, which no other module binds).
 SERIAL_MODULES = {"test_wan", "test_chaos", "test_partitions", "test_faults", "test_load",
                   "test_replicas_process", "test_replicas_launcher", "test_runtime",
-                  "test_api_curve", "test_observability", "test_cli"}
+                  "test_api_curve", "test_observability"}
 
 
 def pytest_collection_modifyitems(config, items):
