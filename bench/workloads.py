@@ -82,8 +82,15 @@ def load(workload: str) -> list[Prompt]:
         with gzip.open(path, "rt", encoding="utf-8") as f:
             rows = [json.loads(line) for line in f if line.strip()]
         return [Prompt(r["task_id"], r["prompt"], False) for r in rows]
-    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    return [Prompt(f"mtbench/{r['question_id']}", r["turns"][0], True) for r in rows]
+    return [Prompt(f"mtbench/{r['question_id']}", r["turns"][0], True) for r in mtbench_questions()]
+
+
+def mtbench_questions() -> list[dict]:
+    """MT-Bench's 80 questions as the data file has them: `question_id`, `category` and the two
+    user `turns` (the second asked after the model's answer to the first)."""
+    path = _data_file("mtbench")
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()
+            if line.strip()]
 
 
 def split(prompts: list[Prompt], seed: int = 0,
