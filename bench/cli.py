@@ -1,4 +1,4 @@
-"""`tandem bench spec|split|tuner|overhead|runner|coupling|defaults|chat [...]`: a module with main(argv)
+"""`tandem bench spec|split|tuner|overhead|runner|coupling|defaults|chat|kv [...]`: a module with main(argv)
 each."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ BENCHES = {
     "coupling": ("bench.bench_coupling", "accepted tokens per round: gumbel vs rejection sampling"),
     "defaults": ("bench.bench_defaults", "`tandem up`'s resource plan vs hand-set threads and cores"),
     "chat": ("bench.bench_chat", "multi-turn chat through the gateway, prefix cache on and off"),
+    "kv": ("bench.bench_kv", "hundreds of long sessions against the verifier's KV byte budget"),
 }
 
 

@@ -404,6 +404,11 @@ _SYNTHETIC_EXPORTER = textwrap.dedent("""
             m.ORPHANS.labels(svc).inc(0.1)
         m.PROMPT_CACHE.labels("drafter", "hit").inc(12)
         m.PROMPT_CACHE.labels("drafter", "miss").inc(3)
+        m.PROMPT_CACHE.labels("verifier", "hit").inc(40)
+        m.PROMPT_CACHE.labels("verifier", "miss").inc(9)
+        m.KV_BUDGET.labels("verifier").set(1e9)
+        m.KV_CACHED.labels("verifier").set(random.uniform(1e6, 1e8))
+        m.KV_EVICTIONS.labels("verifier").inc(0.1)
         m.DP_REPLANS.labels(d, "drift").inc()
         m.BO_EVALUATIONS.labels(d).inc()
         for sched in ("cascade", "dsb"):
