@@ -26,6 +26,7 @@ with sampling) is left out.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 
@@ -33,10 +34,11 @@ import msgspec
 
 from common import metrics, protocol
 from common.protocol import ProtocolError
+from common.runtime import PeerError
 from services.dispatcher import auto_policy, cloud_only
 from services.dispatcher.auto_policy import CLOUD_ONLY, Candidate, Choice, Estimates, Link, Switch
 from services.dispatcher.config import names
-from services.dispatcher.spec_mode import SpecRun, check_knobs, check_policy
+from services.dispatcher.spec_mode import OPEN_SEQ, SpecRun, check_knobs, check_policy
 from services.dispatcher.spec_session import POLICIES
 from services.dispatcher.split_mode import check_cut
 
@@ -128,25 +130,41 @@ class Auto:
 
     async def run(self, req) -> None:
         """Serve a request that may switch: its stretches in turn, each adopting the verifier
-        session (and the drafter session) the ones before left open."""
+        session (and the drafter session) the ones before left open. A request chosen for a
+        spec policy starts cloud-only while its drafter session opens (`cloud_first`): the
+        verifier's prefill gives the first token, the drafter's runs beside it, and the request
+        switches to the policy once the drafter holds the prompt."""
         d, cfg = req.d, self.cfg.auto
         current, other, why = req.choice.candidate, req.switch_to, req.choice.reason
         slo = self.slo_s(req.msg)
         handover = drafter = None
         forwards = 0   # the verifier's forwards for this request: one per cloud-only token
+        prefill: asyncio.Task | None = None   # the drafter session opening beside the cloud
+        if cfg.cloud_first and current.mode == "spec" and other == CLOUD_ONLY and not req.tokens:
+            prefill = asyncio.get_running_loop().create_task(
+                open_drafter(req, current.policy, self.cfg.spec.q_width))
+            current, other, why = CLOUD_ONLY, current, auto_policy.CLOUD_FIRST
         try:
             while True:
                 start = len(req.tokens)
                 segment = {"mode": current.mode, "policy": current.label, "tokens": 0,
                            "why": why}
                 req.segments.append(segment)
+                began = time.monotonic()
                 verdict: list[Switch] = []
                 window: list[tuple[int, float]] = []   # where the live figure's window starts
 
                 def due(current=current, other=other, start=start, segment=segment,
-                        verdict=verdict, window=window) -> bool:
+                        verdict=verdict, window=window,
+                        opening=prefill if why == auto_policy.CLOUD_FIRST else None) -> bool:
                     n, now = len(req.tokens), time.monotonic()
                     segment["tokens"] = n - start
+                    if opening is not None:   # a cloud-first stretch: until the drafter is ready
+                        if not opening.done():
+                            return False
+                        if opening.result() is not None:
+                            verdict.append(Switch(other, auto_policy.SWITCH_DRAFTER_READY))
+                            return True
                     if not window:   # the stretch's first token (its prefill) is not its pace
                         window.append((n, now))
                         return False
@@ -183,14 +201,20 @@ class Auto:
                 finally:
                     req.switcher = None
                     segment["tokens"] = len(req.tokens) - start
+                    segment["seconds"] = round(time.monotonic() - began, 6)
                 if handover is None or req.done or not verdict:
                     return
+                if verdict[0].reason == auto_policy.SWITCH_DRAFTER_READY:
+                    drafter, prefill = prefill.result(), None
                 metrics.AUTO_SWITCHES.labels(d.name, current.mode, verdict[0].to.mode,
                                              verdict[0].reason).inc()
                 current, other, why = verdict[0].to, current, verdict[0].reason
         finally:
             if req.tokens:
                 req.stats["cloud_forwards_per_token"] = forwards / len(req.tokens)
+            if prefill is not None:   # the request ended before its drafter was needed
+                prefill.cancel()
+                d.spawn(d.close_remote(d.drafter, drafter_sid(req)))
             if drafter is not None:   # kept open for a speculative stretch that never came
                 d.spawn(d.close_remote(d.drafter, drafter[0]))
             if handover is not None:   # left open for a stretch that never came
@@ -199,12 +223,19 @@ class Auto:
     def observe(self, d, stats: dict) -> None:
         """A request that finished normally (any mode, chosen or named): its figures feed the
         estimates. Requests too short to time a decode step, and speculative ones that lost
-        their drafter or ran degraded, teach nothing and are skipped."""
+        their drafter or ran degraded, teach nothing and are skipped. A speculative request
+        that began cloud-only while its drafter prefilled is timed on its speculative stretch."""
         n = stats.get("generated_tokens") or 0
         ttft = stats.get("ttft_s")
-        if n < 2 or ttft is None or len(stats.get("segments") or ()) > 1:
+        segments = stats.get("segments") or ()
+        if len(segments) == 2 and segments[0]["why"] == auto_policy.CLOUD_FIRST:
+            n, decode = segments[1]["tokens"], segments[1]["seconds"] / max(1, segments[1]["tokens"])
+            if n < 2 or segments[1]["mode"] != stats["mode"]:
+                return
+        elif n < 2 or ttft is None or len(segments) > 1:
             return   # (a request that switched: its figures mix two modes)
-        decode = max(0.0, stats["duration_s"] - ttft) / (n - 1)
+        else:
+            decode = max(0.0, stats["duration_s"] - ttft) / (n - 1)
         e = self.estimates
         if stats["mode"] == "cloud-only":
             e.observe_cloud(decode)
@@ -222,6 +253,34 @@ class Auto:
         elif stats["mode"] == "split" and stats.get("cut"):
             e.observe_split(stats["cut"], stats.get("edge_forward_s", 0.0) / n,
                             stats.get("cloud_forward_s", 0.0) / n)
+
+
+def drafter_sid(req) -> str:
+    """The drafter session a cloud-first request opens while its first tokens come from the
+    cloud (its speculative stretch takes it over)."""
+    return f"{req.sid}~d"
+
+
+async def open_drafter(req, policy: str, q_width: int) -> tuple | None:
+    """Open the request's drafter session on the committed tokens: (sid, tokens it holds,
+    seq of its open) once the drafter has the prompt in its cache, as a speculative stretch
+    takes a drafter session over; None when the drafter is down or refuses."""
+    d = req.d
+    if not d.drafter.up:
+        return None
+    committed = list(req.prompt_ids) + list(req.tokens)
+    ch = d.drafter.channel()
+    try:
+        await ch.send(protocol.DraftOpen(
+            sid=drafter_sid(req), seq=OPEN_SEQ, token_ids=committed, sampling=req.sampling,
+            top_k=q_width, max_tokens=req.max_tokens, tree_nodes=0,
+            features=POLICIES[policy].trigger == "pipesd-learned", **req.constraint_fields()))
+        msg, _ = await ch.recv(req.remaining())
+    except (PeerError, ProtocolError, TimeoutError):
+        return None
+    finally:
+        ch.close()
+    return (drafter_sid(req), len(committed), OPEN_SEQ) if isinstance(msg, protocol.Ack) else None
 
 
 def switchable(policy: str) -> bool:

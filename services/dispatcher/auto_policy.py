@@ -61,8 +61,10 @@ SLO_UNMET = "slo-unmet-fastest"    # no candidate meets the target: the least pr
 SWITCH_FASTER = "switch-faster"          # live: the other mode is predicted faster
 SWITCH_LESS_CLOUD = "switch-less-cloud"  # live: both meet the target, the other with less work
 SWITCH_MEET_SLO = "switch-meet-slo"      # live: this mode misses the target, the other meets it
+SWITCH_DRAFTER_READY = "drafter-ready"   # the first tokens came from the cloud while it prefilled
 REASONS = (COLD_START, EXPLORE, FASTEST, LEAST_CLOUD, SLO_UNMET, SWITCH_FASTER,
-           SWITCH_LESS_CLOUD, SWITCH_MEET_SLO)
+           SWITCH_LESS_CLOUD, SWITCH_MEET_SLO, SWITCH_DRAFTER_READY)
+CLOUD_FIRST = "cloud-first"   # why a speculative request's first stretch is cloud-only
 
 
 @dataclass(frozen=True)

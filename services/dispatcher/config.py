@@ -77,6 +77,10 @@ class AutoConfig:
             "(switching keeps the verifier's cache); 0 = never switch", ge=0)
     hysteresis: float = setting(
         0.2, "switch only for a gain of this fraction (time per token, or cloud work)", ge=0, lt=1)
+    cloud_first: bool = setting(
+        True, "a request chosen for a spec policy starts cloud-only while the drafter prefills "
+              "its prompt, and switches when the drafter is ready: its first token does not wait "
+              "for the drafter")
 
     def __post_init__(self) -> None:
         bad = [p for p in names(self.policies) if p not in POLICIES]

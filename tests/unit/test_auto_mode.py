@@ -23,7 +23,8 @@ N = 16
 
 @pytest.fixture(scope="module")
 def stack(model_paths):
-    s = BackgroundStack(overrides={"dispatcher": {"auto": AutoConfig(explore_every=2)}})
+    s = BackgroundStack(overrides={"dispatcher": {"auto": AutoConfig(explore_every=2,
+                                                                     cloud_first=False)}})
     yield s
     s.close()
 
@@ -50,8 +51,10 @@ def test_auto_chooses_cold_start_then_explores_then_predicts_and_stays_exact(sta
     first = _auto(stack, ids)                        # nothing measured: cloud-only
     assert first.token_ids == want
     assert first.stats.mode == "cloud-only"
-    assert first.stats.segments == ({"mode": "cloud-only", "policy": "cloud-only",
-                                     "tokens": N, "why": auto_policy.COLD_START},)
+    (segment,) = first.stats.segments
+    assert segment["seconds"] > 0
+    assert segment == {"mode": "cloud-only", "policy": "cloud-only", "tokens": N,
+                       "why": auto_policy.COLD_START, "seconds": segment["seconds"]}
     assert first.stats.auto["reason"] == auto_policy.COLD_START
     assert first.stats.cloud_forwards_per_token == 1.0
     assert _choices("cloud-only", "cloud-only", auto_policy.COLD_START) == cold + 1
@@ -192,3 +195,44 @@ def test_bad_auto_input_is_refused_naming_the_field(stack, ids, kw, field):
     assert e.value.field == field, e.value
     if field == "mode":
         assert "auto" in e.value.message
+
+
+@pytest.fixture
+def cloud_first(stack):
+    cfg = stack.stack.services["dispatcher"].cfg.auto
+    saved, cfg.cloud_first = cfg.cloud_first, True
+    yield
+    cfg.cloud_first = saved
+
+
+def _drafter_ready_switches() -> float:
+    return REGISTRY.get_sample_value("tandem_auto_switches_total", {
+        "service": "dispatcher", "from_mode": "cloud-only", "to_mode": "spec",
+        "reason": auto_policy.SWITCH_DRAFTER_READY}) or 0.0
+
+
+def test_a_spec_choice_streams_its_first_tokens_from_the_cloud_while_the_drafter_prefills(
+        stack, ids, reference, cloud_first, no_exploring):
+    """Chosen for pipesd (a target every mode meets: the least cloud work), the request starts
+    cloud-only while its drafter session opens beside it, then runs speculatively in that same
+    drafter session: exact, greedy and seeded."""
+    n = 32
+    opens, switches = _drafter_opens(), _drafter_ready_switches()
+    r = stack.complete(list(ids), max_tokens=n, stop_at_eos=False, deadline_s=120, mode="auto",
+                       tpt_slo_ms=1e6)
+    assert r.token_ids == reference(ids, n)
+    assert r.stats.auto["chosen"] == "spec/pipesd" and r.stats.mode == "spec"
+    first, then = r.stats.segments
+    assert (first["mode"], first["why"]) == ("cloud-only", auto_policy.CLOUD_FIRST)
+    assert (then["mode"], then["why"]) == ("spec", auto_policy.SWITCH_DRAFTER_READY)
+    assert first["tokens"] >= 1 and first["tokens"] + then["tokens"] == n
+    assert r.stats.rounds >= 1 and r.stats.accepted_tokens > 0
+    assert _drafter_opens() - opens == 1   # the session opened beside the cloud drafts
+    assert _drafter_ready_switches() == switches + 1
+    sampled = dict(temperature=0.8, seed=3, sampling_coupling="gumbel")
+    seeded = stack.complete(list(ids), max_tokens=n, stop_at_eos=False, deadline_s=120,
+                            mode="auto", tpt_slo_ms=1e6, **sampled)
+    assert [s["mode"] for s in seeded.stats.segments] == ["cloud-only", "spec"]
+    cloud = stack.complete(list(ids), max_tokens=n, stop_at_eos=False, deadline_s=120,
+                           mode="cloud-only", **sampled)
+    assert seeded.token_ids == cloud.token_ids
