@@ -65,8 +65,8 @@ MODES = metrics.MODES
 
 # Request fields Tandem cannot honour: refused (400 naming the field) when set to anything but
 # their "off" value, rather than silently ignored.
-UNSUPPORTED_CHAT = ("functions", "function_call", "logit_bias", "presence_penalty", "frequency_penalty",
-                    "audio", "modalities", "prediction", "web_search_options")
+UNSUPPORTED_CHAT = ("functions", "function_call", "logit_bias", "presence_penalty",
+                    "frequency_penalty", "audio", "modalities", "prediction", "web_search_options")
 UNSUPPORTED_COMPLETIONS = ("logit_bias", "presence_penalty", "frequency_penalty",
                            "best_of", "echo", "suffix")
 

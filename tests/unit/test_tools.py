@@ -353,7 +353,8 @@ def _check_call(choice, name: str | None) -> dict:
 
 
 @pytest.mark.parametrize("extra", [{"mode": "cloud-only"}, {"mode": "spec"},
-                                   {"mode": "split", "cut": 1}], ids=["cloud-only", "spec", "split"])
+                                   {"mode": "split", "cut": 1}],   # the tiny model has 2 layers
+                         ids=["cloud-only", "spec", "split"])
 def test_a_named_tool_choice_is_transformers_call_under_the_mask(tiny, tiny_reference, extra):
     r = tiny.chat.completions.create(
         model=MODEL, messages=ASK, tools=TOOLS, max_tokens=N, temperature=0,
