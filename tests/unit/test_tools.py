@@ -32,8 +32,12 @@ from tests.conftest import LLGuidanceProcessor
 
 MODEL = "tandem"
 
-# Qwen2.5's chat template (Hermes-style tool calling), on SmolLM2's <|im_start|> / <|im_end|>.
-HERMES_TEMPLATE = r"""{%- if tools %}
+# Qwen2.5's chat template (Hermes-style tool calling), on SmolLM2's <|im_start|> / <|im_end|>;
+# it refuses a conversation that starts with a tool result (a template's own error).
+HERMES_TEMPLATE = r"""{%- if messages[0].role == 'tool' %}
+    {{- raise_exception('a conversation cannot start with a tool result') }}
+{%- endif %}
+{%- if tools %}
     {{- '<|im_start|>system\n' }}
     {%- if messages[0]['role'] == 'system' %}
         {{- messages[0]['content'] }}
@@ -283,6 +287,19 @@ def test_the_bundled_model_refuses_tools_naming_them(model_paths):
         assert e.value.body["param"] == "messages[1].role", e.value.body
 
 
+def test_gemma3_refuses_tools_naming_them():
+    from common import models
+
+    try:
+        target = models.resolve_target("gemma3-270m")
+    except models.ModelError as e:
+        pytest.skip(str(e))
+    with _gateway(str(target), "tcp://127.0.0.1:9") as c:
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS)
+        assert e.value.body["param"] == "tools", e.value.body
+
+
 # --- a tools-capable tiny model -----------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -426,6 +443,14 @@ def test_none_and_auto_answer_text_when_it_is_no_call(tiny):
         # a random model's text is no call: content, never tool_calls
         assert c.message.tool_calls is None and isinstance(c.message.content, str), c
         assert c.finish_reason in ("stop", "length")
+
+
+def test_the_templates_own_error_is_a_400_naming_messages(tiny):
+    with pytest.raises(openai.BadRequestError) as e:
+        tiny.chat.completions.create(model=MODEL, messages=[
+            {"role": "tool", "tool_call_id": "call_1", "content": "22 C"}] + ASK, tools=TOOLS)
+    assert e.value.body["param"] == "messages", e.value.body
+    assert "cannot start with a tool result" in e.value.body["message"]
 
 
 def test_a_forced_call_refuses_response_format_and_ignore_eos(tiny):
