@@ -3,7 +3,9 @@
     GET  /v1/models                 the served model
     POST /v1/completions            prompt -> text
     POST /v1/chat/completions       messages (system / developer / user / assistant) -> text,
-                                    rendered with the target's chat template here
+                                    rendered with the target's chat template here; `tools`
+                                    and `tool_choice` where the template renders tools
+                                    (api/tools.py)
     POST /tokenize /detokenize      text or messages <-> token ids (vLLM's shapes)
     GET  /metrics /healthz /readyz  Prometheus metrics, liveness, readiness
     GET  /health                    200, empty, while serving (vLLM's probe)
@@ -44,13 +46,14 @@ import uuid
 from pathlib import Path
 from typing import Any, AsyncIterator
 
+from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from api import auth, metrics
+from api import auth, metrics, tools
 from api.config import ApiConfig
 from common import chat, constraint, protocol
 from tandem.errors import (Busy, Cancelled, DeadlineExceeded, InvalidRequest, ServerError,
@@ -62,9 +65,8 @@ MODES = metrics.MODES
 
 # Request fields Tandem cannot honour: refused (400 naming the field) when set to anything but
 # their "off" value, rather than silently ignored.
-UNSUPPORTED_CHAT = ("tools", "tool_choice", "functions",
-                    "function_call", "logit_bias", "presence_penalty", "frequency_penalty",
-                    "audio", "modalities", "prediction", "web_search_options")
+UNSUPPORTED_CHAT = ("functions", "function_call", "logit_bias", "presence_penalty",
+                    "frequency_penalty", "audio", "modalities", "prediction", "web_search_options")
 UNSUPPORTED_COMPLETIONS = ("logit_bias", "presence_penalty", "frequency_penalty",
                            "best_of", "echo", "suffix")
 
@@ -76,8 +78,6 @@ def _is_off(name: str, value: Any) -> bool:
             and not isinstance(value, bool) and value == 0:
         return True
     if name == "best_of" and value == 1 and not isinstance(value, bool):
-        return True
-    if name == "tool_choice" and value == "none":
         return True
     if name == "modalities" and value == ["text"]:
         return True
@@ -264,10 +264,17 @@ class Params:
                 raise _type_error("nav_thresholds", "a list of two numbers [R1, R2]", nav)
         deadline = get_num(body, "deadline_s", None, lo=0, lo_open=True)
         c = output_constraint(body, cfg.max_constraint_bytes)
+        self.tools = tool_spec(body, cfg.max_constraint_bytes) if chat else None
+        if self.tools is not None and self.tools.forced:
+            if c is not None:
+                raise ApiError(400, "tool_choice: a forced tool call constrains the output "
+                               "itself; not with response_format or guided_regex",
+                               param="tool_choice", code="invalid_value")
+            c = self.tools.constraint()
         if c is not None and get_bool(body, "ignore_eos"):
-            raise ApiError(400, "ignore_eos: not with response_format or guided_regex (the "
-                           "output ends where the constraint is complete)", param="ignore_eos",
-                           code="invalid_value")
+            raise ApiError(400, "ignore_eos: not with response_format, guided_regex or a forced "
+                           "tool call (the output ends where the constraint is complete)",
+                           param="ignore_eos", code="invalid_value")
         self.sdk = dict(
             mode=mode, max_tokens=self.max_tokens,
             temperature=get_num(body, "temperature", cfg.default_temperature, lo=0, hi=2),
@@ -343,6 +350,14 @@ def output_constraint(body: dict, max_bytes: int) -> protocol.Constraint | None:
     return c
 
 
+def tool_spec(body: dict, max_bytes: int) -> tools.Tools | None:
+    """The request's `tools` and `tool_choice`, checked (api/tools.py)."""
+    try:
+        return tools.parse(body, max_bytes)
+    except tools.ToolsError as e:
+        raise ApiError(400, str(e), param=e.param, code=e.code) from None
+
+
 # --- prompts ------------------------------------------------------------------------------------
 
 _MESSAGE_CODES = {"missing": "missing_required_parameter", "invalid_type": "invalid_type",
@@ -350,10 +365,12 @@ _MESSAGE_CODES = {"missing": "missing_required_parameter", "invalid_type": "inva
                   "unsupported": "unsupported_value"}
 
 
-def chat_messages(body: dict, max_messages: int) -> list[dict]:
-    """The request's conversation, checked (common/chat.py, shared with the dispatcher)."""
+def chat_messages(body: dict, max_messages: int, tool_turns: bool = False) -> list[dict]:
+    """The request's conversation, checked (common/chat.py, shared with the dispatcher);
+    `tool_turns`: tool results and assistant tool calls are accepted (the template renders
+    them)."""
     try:
-        return chat.normalize(body.get("messages"), max_messages)
+        return chat.normalize(body.get("messages"), max_messages, tool_turns)
     except chat.MessageError as e:
         raise ApiError(400, str(e), param=e.field, code=_MESSAGE_CODES[e.code]) from None
 
@@ -411,6 +428,7 @@ class Gateway:
         self.model_ids: tuple[str, ...] = (cfg.model,)
         self.created = int(time.time())
         self.max_model_len = cfg.max_prompt_tokens   # the target's context length, once loaded
+        self.supports_tools = False   # the target's chat template renders tools (api/tools.py)
         self._token_strs: dict[int, str] = {}
 
     async def start(self) -> None:
@@ -419,6 +437,7 @@ class Gateway:
 
         path = models.resolve_target(self.cfg.target)
         self.tokenizer = await asyncio.to_thread(_load_tokenizer, path)
+        self.supports_tools = tools.supports_tools(self.tokenizer)
         self.model_ids = tuple(dict.fromkeys((self.cfg.model, Path(path).name)))
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError, AttributeError):
             config = json.loads((Path(path) / "config.json").read_text())
@@ -453,9 +472,19 @@ class Gateway:
         ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
         return ids
 
-    async def chat_ids(self, messages: list[dict]) -> list[int]:
+    async def chat_ids(self, messages: list[dict], with_tools: tools.Tools | None = None
+                       ) -> list[int]:
+        if with_tools is not None and not self.supports_tools:
+            raise ApiError(400, "tools: this model's chat template does not support tools",
+                           param="tools", code="unsupported_parameter")
+        listed = None if with_tools is None else with_tools.template_tools()
         size = sum(len(m["content"]) for m in messages)
-        return await self._tokens(lambda: chat.render_ids(self.tokenizer, messages), size)
+        try:
+            return await self._tokens(lambda: chat.render_ids(self.tokenizer, messages, listed),
+                                      size)
+        except TemplateError as e:   # the template's own rule (e.g. roles must alternate)
+            raise ApiError(400, f"messages: the chat template cannot render this conversation: "
+                           f"{e}", param="messages", code="invalid_value") from None
 
     async def prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, list):
@@ -480,6 +509,13 @@ class Gateway:
                            code="context_length_exceeded")
 
     # --- one generation ---
+    def answer(self, run: "Run", choice: "Choice") -> AsyncIterator[Piece]:
+        """pieces(), with a tool call answered as a last piece carrying `tool_calls`."""
+        t = run.params.tools
+        if t is None or t.choice == "none":
+            return self.pieces(run, choice)
+        return tools.hold_calls(self.pieces(run, choice), t, choice, Piece)
+
     async def pieces(self, run: "Run", choice: "Choice") -> AsyncIterator[Piece]:
         """One choice's text to send, in pieces, each with the log-probabilities of the tokens
         it releases (when asked for); choice.finish / .tokens / .stats filled as it goes.
@@ -572,11 +608,14 @@ class Gateway:
 
 class Piece:
     """Text released to the client, the (token id, TokenLogprob) of the tokens with it, and
-    where the first of those tokens' text starts in the choice's text."""
-    __slots__ = ("text", "entries", "offset")
+    where the first of those tokens' text starts in the choice's text; or the answer's tool
+    calls (OpenAI's shape, api/tools.py), with no text."""
+    __slots__ = ("text", "entries", "offset", "tool_calls")
 
-    def __init__(self, text: str, entries: list, offset: int = 0):
+    def __init__(self, text: str, entries: list, offset: int = 0,
+                 tool_calls: list[dict] | None = None):
         self.text, self.entries, self.offset = text, entries, offset
+        self.tool_calls = tool_calls
 
 
 class Choice:
@@ -703,7 +742,8 @@ def create_app(cfg: ApiConfig | None = None) -> Starlette:
             body = await read_body(request, cfg.max_body_bytes)
             params = Params(body, cfg, route, gw.model_ids)
             if chat:
-                ids = await gw.chat_ids(chat_messages(body, cfg.max_messages))
+                messages = chat_messages(body, cfg.max_messages, gw.supports_tools)
+                ids = await gw.chat_ids(messages, params.tools)
                 gw.check_length(ids, "messages")
             else:
                 ids = await gw.prompt_ids(completion_prompt(body))
@@ -716,14 +756,15 @@ def create_app(cfg: ApiConfig | None = None) -> Starlette:
             return e.response()
 
     async def whole(run: Run, chat: bool, request: Request) -> Response:
-        async def collect(choice: Choice) -> tuple[str, list]:
-            text, entries = [], []
-            async for piece in gw.pieces(run, choice):
+        async def collect(choice: Choice) -> tuple[str, list, list | None]:
+            text, entries, calls = [], [], None
+            async for piece in gw.answer(run, choice):
                 text.append(piece.text)
                 entries += piece.entries
-            return "".join(text), entries
+                calls = piece.tool_calls or calls
+            return "".join(text), entries, calls
 
-        async def collect_all() -> list[tuple[str, list]]:
+        async def collect_all() -> list[tuple[str, list, list | None]]:
             tasks = [asyncio.ensure_future(collect(c)) for c in run.choices]
             try:
                 return await asyncio.gather(*tasks)
@@ -755,10 +796,9 @@ def create_app(cfg: ApiConfig | None = None) -> Starlette:
         run.done()
         wants = run.params.logprobs is not None
         choices = []
-        for c, (text, entries) in zip(run.choices, answers):
+        for c, (text, entries, calls) in zip(run.choices, answers):
             if chat:
-                choices.append({"index": c.index, "message": {"role": "assistant",
-                                                              "content": text, "refusal": None},
+                choices.append({"index": c.index, "message": tools.message(text, calls),
                                 "logprobs": gw.chat_logprobs(entries) if wants else None,
                                 "finish_reason": c.finish})
             else:
@@ -786,6 +826,8 @@ def create_app(cfg: ApiConfig | None = None) -> Starlette:
             if chat:
                 delta = ({"role": "assistant", "content": ""} if first else
                          {} if text is None else {"content": text})
+                if piece is not None and piece.tool_calls:
+                    delta = {"tool_calls": tools.deltas(piece.tool_calls)}
                 choice = {"index": c.index, "delta": delta, "logprobs": lps,
                           "finish_reason": finish}
             else:
@@ -795,7 +837,7 @@ def create_app(cfg: ApiConfig | None = None) -> Starlette:
 
         # every choice's pieces into one queue: (choice, Piece | None at its end | an error)
         queue: asyncio.Queue = asyncio.Queue()
-        gens = [gw.pieces(run, c) for c in run.choices]
+        gens = [gw.answer(run, c) for c in run.choices]
 
         async def pump(c: Choice, gen) -> None:
             try:
@@ -884,8 +926,9 @@ def create_app(cfg: ApiConfig | None = None) -> Starlette:
                 if not isinstance(prompt, str):
                     raise _type_error("prompt", "a string", prompt)
                 ids = await gw.text_ids(prompt, get_bool(body, "add_special_tokens", True))
-            else:
-                ids = await gw.chat_ids(chat_messages(body, cfg.max_messages))
+            else:   # as the chat route renders it, tools included
+                messages = chat_messages(body, cfg.max_messages, gw.supports_tools)
+                ids = await gw.chat_ids(messages, tool_spec(body, cfg.max_constraint_bytes))
             return JSONResponse({"count": len(ids), "max_model_len": gw.max_model_len,
                                  "tokens": ids, "token_strs": None})
         except ApiError as e:
