@@ -167,7 +167,8 @@ class Request:
             stats["segments"] = [dict(s) for s in self.segments]
         else:
             segment = {"mode": self.mode, "policy": self.policy, "tokens": n,
-                       "why": self.choice.reason if self.choice else "requested"}
+                       "why": self.choice.reason if self.choice else "requested",
+                       "seconds": round(end - self.start, 6)}
             if self.mode == "split":
                 segment["cut"] = stats.get("cut")
             stats["segments"] = [segment]
