@@ -438,6 +438,46 @@ def coupling_section(doc: dict, name: str) -> str:
                                "gumbel / rejection", "95 % CI"]))
 
 
+def chat_section(doc: dict, name: str) -> str:
+    """`tandem bench chat`: TTFT per turn with the cloud's prefix cache on and off."""
+    rows = [[r["mode"], r["turn"], r["n"], f"{r['prompt_tokens_mean']:.0f}",
+             f"{r['ttft_ms_cache']:.0f}", f"{r['ttft_ms_no_cache']:.0f}", _f(r["ttft_ratio"]),
+             _ci(r["ttft_ratio_ci95"]), _f(r["cached_fraction"]), r["same_answers"]]
+            for r in doc["results"]]
+    out = [f"### Multi-turn chat — `{name}`", "",
+           f"{len(doc.get('conversations', []))} conversations of {doc.get('turns')} user turns "
+           f"through the gateway, {doc.get('answer_tokens')}-token answers, two alike stacks "
+           f"(prefix cache on / off) interleaved; {doc.get('deployment', '')}. TTFT is the "
+           "client's time to the first streamed text (median); the ratio is of mean TTFTs over "
+           "the same conversations, with a 95 % paired bootstrap interval; cached = the "
+           "fraction of the prompt the services reused.", "",
+           _md_table(rows, ["mode", "turn", "n", "prompt tokens", "TTFT ms cache",
+                            "TTFT ms no cache", "cache / no cache", "95 % CI", "cached",
+                            "same answers"])]
+    if doc.get("goals"):
+        out += ["", "Goals:", ""] + [f"* {g}" for g in doc["goals"]]
+    return "\n".join(out)
+
+
+def kv_section(doc: dict, name: str) -> str:
+    """`tandem bench kv`: sessions against the verifier's KV byte budget."""
+    rows = [[r["phase"], r["sessions"], r["seconds"], r["served"], r["busy"], r["failed"],
+             r["failed_mid_stream"], r["busy_answers"],
+             f"{r['checked_against_transformers'] - r['wrong']}/{r['checked_against_transformers']}",
+             r["rss_peak_mib"]] for r in doc["results"]]
+    out = [f"### KV memory under pressure — `{name}`", "",
+           f"{doc.get('sessions')} sessions of {doc.get('prompt_tokens')}-token prompts against a "
+           f"{doc.get('budget_bytes', 0) / 2**30:.2f} GiB KV budget ({doc.get('deployment', '')}); "
+           f"verifier RSS idle {doc.get('rss_idle_mib')} MiB, bound {doc.get('rss_bound_mib')} "
+           "MiB (idle + budget, plus 15 %).", "",
+           _md_table(rows, ["phase", "sessions", "s", "served", "busy", "failed",
+                            "failed mid-stream", "busy answers", "exact (checked)",
+                            "RSS peak MiB"])]
+    if doc.get("goals"):
+        out += ["", "Goals:", ""] + [f"* {g}" for g in doc["goals"]]
+    return "\n".join(out)
+
+
 def generic_section(doc: dict, name: str) -> str:
     return (f"### {doc['bench']} — `{name}`\n\n```json\n"
             + json.dumps(doc["results"], indent=1, default=str)[:6000] + "\n```")
@@ -484,7 +524,8 @@ def main(argv=None) -> int:
         section = {"spec": spec_section, "split": split_section,
                    "tuner": tuner_section, "runner": runner_section,
                    "defaults": defaults_section,
-                   "coupling": coupling_section}.get(doc["bench"], generic_section)
+                   "coupling": coupling_section, "chat": chat_section,
+                   "kv": kv_section}.get(doc["bench"], generic_section)
         parts += [section(doc, f.stem), ""]
         drawable = doc["bench"] != "split" or any(
             r.get("throughput_tok_s") is not None for r in split_rows(doc))
