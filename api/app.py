@@ -704,296 +704,398 @@ def _sse(obj: dict | str) -> bytes:
                         json.dumps(obj, separators=(",", ":"))).encode() + b"\n\n"
 
 
-def create_app(cfg: ApiConfig | None = None) -> Starlette:
+# --- the routes ---------------------------------------------------------------------------------
+# Each route is a handler that finds what it needs on request.app.state: the Gateway (`gateway`),
+# the ApiConfig (`config`) and the API keys (`keys`), set by create_app.
+
+def authorize(request: Request) -> str:
+    """The request's client identity ("" when the API is open); 401 without a valid key."""
+    keys: auth.Keys = request.app.state.keys
+    if not keys.enabled:
+        return ""
+    ident = keys.identity(request.headers.get("authorization"))
+    if ident is None:
+        missing = not request.headers.get("authorization")
+        raise ApiError(
+            401, "no API key provided: send it as 'Authorization: Bearer KEY'" if missing
+            else "incorrect API key provided", code="missing_api_key" if missing else
+            "invalid_api_key", headers={"WWW-Authenticate": 'Bearer realm="tandem"'})
+    return ident
+
+
+def check_ready(gw: Gateway) -> None:
+    """503 until the gateway has its tokenizer and its dispatcher connection."""
+    if not gw.ready:
+        raise ApiError(503, "the gateway is starting", code="unavailable",
+                       type="service_unavailable_error")
+
+
+async def models_route(request: Request) -> Response:
+    gw: Gateway = request.app.state.gateway
+    try:
+        authorize(request)
+    except ApiError as e:
+        return e.response()
+    return JSONResponse({"object": "list", "data": [
+        {"id": m, "object": "model", "created": gw.created, "owned_by": "tandem"}
+        for m in gw.model_ids[:1]]})
+
+
+async def generation_route(request: Request) -> Response:
+    """POST /v1/completions and /v1/chat/completions: one answer whole, or streamed."""
+    gw: Gateway = request.app.state.gateway
+    cfg: ApiConfig = request.app.state.config
+    route = request.url.path
+    chat = route == "/v1/chat/completions"
+    try:
+        client = authorize(request)
+        check_ready(gw)
+        body = await read_body(request, cfg.max_body_bytes)
+        params = Params(body, cfg, route, gw.model_ids)
+        ids = await request_ids(gw, body, chat, cfg.max_messages, params.tools)
+        run = Run(route, ids, params, client)
+        if params.stream:
+            return await stream_answer(gw, run, chat, cfg.retry_after_s)
+        return await whole_answer(gw, run, chat, request, cfg.retry_after_s)
+    except ApiError as e:
+        return e.response()
+
+
+async def request_ids(gw: Gateway, body: dict, chat: bool, max_messages: int,
+                      tool_list=None) -> list[int]:
+    """The prompt's token ids: the rendered conversation (chat, with its tools) or the
+    completion prompt."""
+    if chat:
+        messages = chat_messages(body, max_messages, gw.supports_tools)
+        ids = await gw.chat_ids(messages, tool_list)
+        gw.check_length(ids, "messages")
+    else:
+        ids = await gw.prompt_ids(completion_prompt(body))
+        gw.check_length(ids, "prompt")
+    return ids
+
+
+# --- a whole answer ---
+
+async def whole_answer(gw: Gateway, run: Run, chat: bool, request: Request,
+                       retry_after_s: int) -> Response:
+    """Every choice generated to its end, then one JSON answer. A client that goes away before
+    the answer cancels the request on the dispatcher (499, nobody is listening)."""
+    metrics.ACTIVE.labels(run.route).inc()
+    gen = asyncio.ensure_future(collect_choices(gw, run))
+    watch = asyncio.ensure_future(until_disconnected(request.receive))
+    try:
+        await asyncio.wait((gen, watch), return_when=asyncio.FIRST_COMPLETED)
+        if not gen.done():
+            gen.cancel()
+            await asyncio.gather(gen, return_exceptions=True)
+            return Response(status_code=499)
+        answers = gen.result()
+    except TandemError as e:
+        raise from_tandem(e, retry_after_s) from None
+    finally:
+        watch.cancel()
+        metrics.ACTIVE.labels(run.route).dec()
+    run.done()
+    choices = [whole_choice(gw, run, chat, c, text, entries, calls)
+               for c, (text, entries, calls) in zip(run.choices, answers)]
+    return JSONResponse({
+        "id": run.id, "object": "chat.completion" if chat else "text_completion",
+        "created": run.created, "model": run.params.model, "system_fingerprint": None,
+        "choices": choices, "usage": run.usage(), "tandem": run.stats()})
+
+
+async def collect_choices(gw: Gateway, run: Run) -> list[tuple[str, list, list | None]]:
+    """Each choice's (text, log-probability entries, tool calls), the choices generated at once;
+    one that fails (or the caller's cancel) ends the others too."""
+    tasks = [asyncio.ensure_future(collect_choice(gw, run, c)) for c in run.choices]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def collect_choice(gw: Gateway, run: Run, choice: Choice
+                         ) -> tuple[str, list, list | None]:
+    text, entries, calls = [], [], None
+    async for piece in gw.answer(run, choice):
+        text.append(piece.text)
+        entries += piece.entries
+        calls = piece.tool_calls or calls
+    return "".join(text), entries, calls
+
+
+def whole_choice(gw: Gateway, run: Run, chat: bool, c: Choice, text: str,
+                 entries: list, calls: list | None = None) -> dict:
+    """One choice of a whole answer, in the route's shape."""
+    wants = run.params.logprobs is not None
+    if chat:
+        return {"index": c.index, "message": tools.message(text, calls),
+                "logprobs": gw.chat_logprobs(entries) if wants else None,
+                "finish_reason": c.finish}
+    return {"index": c.index, "text": text,
+            "logprobs": gw.completion_logprobs(entries, 0) if wants else None,
+            "finish_reason": c.finish}
+
+
+async def until_disconnected(receive) -> None:
+    """Returns when the client has gone away (the ASGI receive channel says so)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+# --- a streamed answer ---
+
+async def stream_answer(gw: Gateway, run: Run, chat: bool, retry_after_s: int) -> Response:
+    """Server-Sent Events, one chunk per piece of any choice. An error before the first piece
+    is an HTTP status; after it, an error event (as OpenAI's)."""
+    merged = MergedPieces(gw, run)
+    first = await first_piece(merged, retry_after_s)
+    chunks = StreamChunks(gw, run, chat)
+    return EventStream(stream_events(run, chunks, merged, first, retry_after_s), merged.close,
+                       media_type="text/event-stream",
+                       headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+class MergedPieces:
+    """Every choice's pieces in one queue, as they come: (choice, Piece), (choice, None) at its
+    end, or (choice, the exception that ended it). Counted in tandem_api_active_requests until
+    closed."""
+
+    def __init__(self, gw: Gateway, run: Run):
+        self.route = run.route
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.gens = [gw.answer(run, c) for c in run.choices]
+        self.tasks = [asyncio.ensure_future(self._pump(c, g))
+                      for c, g in zip(run.choices, self.gens)]
+        metrics.ACTIVE.labels(run.route).inc()
+        self.closed = False
+
+    async def _pump(self, c: Choice, gen) -> None:
+        try:
+            async for piece in gen:
+                self.queue.put_nowait((c, piece))
+            self.queue.put_nowait((c, None))
+        except Exception as e:  # noqa: BLE001 - the stream's reader raises it
+            self.queue.put_nowait((c, e))
+
+    async def get(self) -> tuple[Choice, Any]:
+        return await self.queue.get()
+
+    async def close(self) -> None:
+        """Once, whichever way the stream ends: a choice not finished sends Cancel to the
+        dispatcher."""
+        if self.closed:
+            return
+        self.closed = True
+        metrics.ACTIVE.labels(self.route).dec()
+        for t in self.tasks:
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        for g in self.gens:
+            await g.aclose()
+
+
+async def first_piece(merged: MergedPieces, retry_after_s: int) -> tuple[Choice, Any]:
+    """The first item before the answer starts: an error up to there is an HTTP status."""
+    try:
+        first = await merged.get()
+        if isinstance(first[1], BaseException):
+            raise first[1]
+    except TandemError as e:
+        await merged.close()
+        raise from_tandem(e, retry_after_s) from None
+    except BaseException:
+        await merged.close()
+        raise
+    return first
+
+
+class StreamChunks:
+    """A streamed answer's events in OpenAI's chunk shape (chat.completion.chunk or
+    text_completion), each framed as one SSE `data:` line."""
+
+    def __init__(self, gw: Gateway, run: Run, chat: bool):
+        self.gw, self.run, self.chat = gw, run, chat
+        self.head = {"id": run.id,
+                     "object": "chat.completion.chunk" if chat else "text_completion",
+                     "created": run.created, "model": run.params.model,
+                     "system_fingerprint": None}
+        # with include_usage every chunk says "usage": null, the last one the usage
+        self.usage_null = {"usage": None} if run.params.include_usage else {}
+        self.wants = run.params.logprobs is not None
+
+    def choice(self, c: Choice, piece: Piece | None, finish: str | None,
+               first: bool = False) -> bytes:
+        """A chunk of one choice: a piece of its text, its end (finish), or (chat, first) the
+        assistant's role."""
+        text = None if piece is None else piece.text
+        lps = None
+        if self.wants and piece is not None and piece.entries:
+            lps = self.gw.chat_logprobs(piece.entries) if self.chat else \
+                self.gw.completion_logprobs(piece.entries, piece.offset)
+        if self.chat:
+            delta = ({"role": "assistant", "content": ""} if first else
+                     {} if text is None else {"content": text})
+            if piece is not None and piece.tool_calls:
+                delta = {"tool_calls": tools.deltas(piece.tool_calls)}
+            choice = {"index": c.index, "delta": delta, "logprobs": lps, "finish_reason": finish}
+        else:
+            choice = {"index": c.index, "text": text or "", "logprobs": lps,
+                      "finish_reason": finish}
+        return _sse({**self.head, "choices": [choice], **self.usage_null})
+
+    def usage(self) -> bytes:
+        return _sse({**self.head, "choices": [], "usage": self.run.usage()})
+
+
+async def stream_events(run: Run, chunks: StreamChunks, merged: MergedPieces,
+                        first: tuple[Choice, Any], retry_after_s: int) -> AsyncIterator[bytes]:
+    """The answer's events from the first piece on, to `data: [DONE]`; closes the pieces."""
+    try:
+        if chunks.chat:
+            for c in run.choices:
+                yield chunks.choice(c, None, None, first=True)
+        item, left = first, len(run.choices)
+        while True:
+            c, piece = item
+            if isinstance(piece, BaseException):
+                raise piece
+            if piece is None:
+                yield chunks.choice(c, None, c.finish)
+                left -= 1
+                if not left:
+                    break
+            else:
+                yield chunks.choice(c, piece, None)
+            item = await merged.get()
+        run.done()
+        if run.params.include_usage:
+            yield chunks.usage()
+        yield _sse("[DONE]")
+    except TandemError as e:   # after the answer started: an error event, as OpenAI
+        yield _sse(from_tandem(e, retry_after_s).body())
+    finally:
+        await merged.close()
+
+
+# --- vLLM's token routes, probes and metrics ---
+
+async def token_route_body(request: Request) -> dict:
+    """The body of a /tokenize or /detokenize request, once its key and model are checked."""
+    gw: Gateway = request.app.state.gateway
+    authorize(request)
+    check_ready(gw)
+    body = await read_body(request, request.app.state.config.max_body_bytes)
+    check_model(body, gw.model_ids)
+    return body
+
+
+async def tokenize_route(request: Request) -> Response:
+    gw: Gateway = request.app.state.gateway
+    try:
+        body = await token_route_body(request)
+        if ("prompt" in body) == ("messages" in body):
+            raise ApiError(400, "prompt or messages: send one of them", param="prompt",
+                           code="missing_required_parameter")
+        if "prompt" in body:
+            prompt = body["prompt"]
+            if not isinstance(prompt, str):
+                raise _type_error("prompt", "a string", prompt)
+            ids = await gw.text_ids(prompt, get_bool(body, "add_special_tokens", True))
+        else:   # as the chat route renders it, tools included
+            cfg = request.app.state.config
+            messages = chat_messages(body, cfg.max_messages, gw.supports_tools)
+            ids = await gw.chat_ids(messages, tool_spec(body, cfg.max_constraint_bytes))
+        return JSONResponse({"count": len(ids), "max_model_len": gw.max_model_len,
+                             "tokens": ids, "token_strs": None})
+    except ApiError as e:
+        return e.response()
+
+
+async def detokenize_route(request: Request) -> Response:
+    gw: Gateway = request.app.state.gateway
+    try:
+        body = await token_route_body(request)
+        tokens = body.get("tokens")
+        if tokens is None:
+            raise ApiError(400, "tokens: required", param="tokens",
+                           code="missing_required_parameter")
+        if not isinstance(tokens, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            raise _type_error("tokens", "a list of token ids", tokens)
+        vocab = len(gw.tokenizer)
+        bad = [t for t in tokens if not 0 <= t < vocab]
+        if bad:
+            raise ApiError(400, f"tokens: ids outside the vocabulary [0, {vocab}): "
+                           f"{bad[:5]}", param="tokens", code="invalid_value")
+        return JSONResponse({"prompt": gw.tokenizer.decode(tokens)})
+    except ApiError as e:
+        return e.response()
+
+
+async def health_route(request: Request) -> Response:
+    return Response(status_code=200 if request.app.state.gateway.ready else 503)
+
+
+async def metrics_route(request: Request) -> Response:
+    return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
+
+async def healthz_route(request: Request) -> Response:
+    return PlainTextResponse("ok")
+
+
+async def readyz_route(request: Request) -> Response:
+    ready = request.app.state.gateway.ready
+    return PlainTextResponse("ready" if ready else "loading", status_code=200 if ready else 503)
+
+
+async def not_found(request: Request, exc) -> Response:
+    return ApiError(404, f"no route {request.method} {request.url.path}",
+                    code="not_found").response()
+
+
+async def not_allowed(request: Request, exc) -> Response:
+    return ApiError(405, f"method {request.method} not allowed on {request.url.path}",
+                    code="method_not_allowed").response()
+
+
+@contextlib.asynccontextmanager
+async def lifespan(app: Starlette):
+    """The gateway runs while the server does: tokenizer loaded, dispatcher connected."""
+    gw: Gateway = app.state.gateway
+    await gw.start()
+    try:
+        yield
+    finally:
+        await gw.stop()
+
+
+ROUTES = [
+    Route("/v1/models", models_route, methods=["GET"]),
+    Route("/v1/completions", generation_route, methods=["POST"]),
+    Route("/v1/chat/completions", generation_route, methods=["POST"]),
+    Route("/metrics", metrics_route, methods=["GET"]),
+    Route("/healthz", healthz_route, methods=["GET"]),
+    Route("/readyz", readyz_route, methods=["GET"]),
+    Route("/health", health_route, methods=["GET"]),
+    Route("/tokenize", tokenize_route, methods=["POST"]),
+    Route("/detokenize", detokenize_route, methods=["POST"]),
+]
+
+
+def create_app(cfg: ApiConfig | None = None) -> CountRequests:
+    """The gateway's ASGI app: the routes over one Gateway, every answer counted."""
     cfg = cfg or ApiConfig()
     keys = auth.Keys(auth.load_keys(cfg.api_key, cfg.api_keys_file))   # KeysError: bad setting
-    gw = Gateway(cfg)
-
-    def authorize(request: Request) -> str:
-        """The request's client identity ("" when the API is open); 401 without a valid key."""
-        if not keys.enabled:
-            return ""
-        ident = keys.identity(request.headers.get("authorization"))
-        if ident is None:
-            missing = not request.headers.get("authorization")
-            raise ApiError(
-                401, "no API key provided: send it as 'Authorization: Bearer KEY'" if missing
-                else "incorrect API key provided", code="missing_api_key" if missing else
-                "invalid_api_key", headers={"WWW-Authenticate": 'Bearer realm="tandem"'})
-        return ident
-
-    async def models_route(request: Request) -> Response:
-        try:
-            authorize(request)
-        except ApiError as e:
-            return e.response()
-        return JSONResponse({"object": "list", "data": [
-            {"id": m, "object": "model", "created": gw.created, "owned_by": "tandem"}
-            for m in gw.model_ids[:1]]})
-
-    async def generation(request: Request) -> Response:
-        route = request.url.path
-        chat = route == "/v1/chat/completions"
-        try:
-            client = authorize(request)
-            if not gw.ready:
-                raise ApiError(503, "the gateway is starting", code="unavailable",
-                               type="service_unavailable_error")
-            body = await read_body(request, cfg.max_body_bytes)
-            params = Params(body, cfg, route, gw.model_ids)
-            if chat:
-                messages = chat_messages(body, cfg.max_messages, gw.supports_tools)
-                ids = await gw.chat_ids(messages, params.tools)
-                gw.check_length(ids, "messages")
-            else:
-                ids = await gw.prompt_ids(completion_prompt(body))
-                gw.check_length(ids, "prompt")
-            run = Run(route, ids, params, client)
-            if params.stream:
-                return await stream(run, chat)
-            return await whole(run, chat, request)
-        except ApiError as e:
-            return e.response()
-
-    async def whole(run: Run, chat: bool, request: Request) -> Response:
-        async def collect(choice: Choice) -> tuple[str, list, list | None]:
-            text, entries, calls = [], [], None
-            async for piece in gw.answer(run, choice):
-                text.append(piece.text)
-                entries += piece.entries
-                calls = piece.tool_calls or calls
-            return "".join(text), entries, calls
-
-        async def collect_all() -> list[tuple[str, list, list | None]]:
-            tasks = [asyncio.ensure_future(collect(c)) for c in run.choices]
-            try:
-                return await asyncio.gather(*tasks)
-            finally:   # one choice failed (or the client left): the others end too
-                for t in tasks:
-                    t.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-
-        async def disconnected() -> None:
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-
-        metrics.ACTIVE.labels(run.route).inc()
-        # a client that goes away before the answer cancels the request on the dispatcher
-        gen = asyncio.ensure_future(collect_all())
-        watch = asyncio.ensure_future(disconnected())
-        try:
-            await asyncio.wait((gen, watch), return_when=asyncio.FIRST_COMPLETED)
-            if not gen.done():
-                gen.cancel()
-                await asyncio.gather(gen, return_exceptions=True)
-                return Response(status_code=499)   # nobody is listening
-            answers = gen.result()
-        except TandemError as e:
-            raise from_tandem(e, cfg.retry_after_s) from None
-        finally:
-            watch.cancel()
-            metrics.ACTIVE.labels(run.route).dec()
-        run.done()
-        wants = run.params.logprobs is not None
-        choices = []
-        for c, (text, entries, calls) in zip(run.choices, answers):
-            if chat:
-                choices.append({"index": c.index, "message": tools.message(text, calls),
-                                "logprobs": gw.chat_logprobs(entries) if wants else None,
-                                "finish_reason": c.finish})
-            else:
-                choices.append({"index": c.index, "text": text,
-                                "logprobs": gw.completion_logprobs(entries, 0) if wants
-                                else None, "finish_reason": c.finish})
-        return JSONResponse({
-            "id": run.id, "object": "chat.completion" if chat else "text_completion",
-            "created": run.created, "model": run.params.model, "system_fingerprint": None,
-            "choices": choices, "usage": run.usage(), "tandem": run.stats()})
-
-    async def stream(run: Run, chat: bool) -> Response:
-        head = {"id": run.id, "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": run.created, "model": run.params.model, "system_fingerprint": None}
-        usage_null = {"usage": None} if run.params.include_usage else {}
-        wants = run.params.logprobs is not None
-
-        def chunk(c: Choice, piece: Piece | None, finish: str | None,
-                  first: bool = False) -> bytes:
-            text = None if piece is None else piece.text
-            lps = None
-            if wants and piece is not None and piece.entries:
-                lps = gw.chat_logprobs(piece.entries) if chat else \
-                    gw.completion_logprobs(piece.entries, piece.offset)
-            if chat:
-                delta = ({"role": "assistant", "content": ""} if first else
-                         {} if text is None else {"content": text})
-                if piece is not None and piece.tool_calls:
-                    delta = {"tool_calls": tools.deltas(piece.tool_calls)}
-                choice = {"index": c.index, "delta": delta, "logprobs": lps,
-                          "finish_reason": finish}
-            else:
-                choice = {"index": c.index, "text": text or "", "logprobs": lps,
-                          "finish_reason": finish}
-            return _sse({**head, "choices": [choice], **usage_null})
-
-        # every choice's pieces into one queue: (choice, Piece | None at its end | an error)
-        queue: asyncio.Queue = asyncio.Queue()
-        gens = [gw.answer(run, c) for c in run.choices]
-
-        async def pump(c: Choice, gen) -> None:
-            try:
-                async for piece in gen:
-                    queue.put_nowait((c, piece))
-                queue.put_nowait((c, None))
-            except Exception as e:  # noqa: BLE001 - the stream's reader raises it
-                queue.put_nowait((c, e))
-
-        tasks = [asyncio.ensure_future(pump(c, g)) for c, g in zip(run.choices, gens)]
-        metrics.ACTIVE.labels(run.route).inc()
-        closed = False
-
-        async def close() -> None:   # once, whichever way the stream ends
-            nonlocal closed
-            if not closed:
-                closed = True
-                metrics.ACTIVE.labels(run.route).dec()
-                for t in tasks:   # unless finished: Cancel to the dispatcher
-                    t.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-                for g in gens:
-                    await g.aclose()
-
-        # The first piece before the answer starts: an error up to there is an HTTP status.
-        try:
-            first = await queue.get()
-            if isinstance(first[1], BaseException):
-                raise first[1]
-        except TandemError as e:
-            await close()
-            raise from_tandem(e, cfg.retry_after_s) from None
-        except BaseException:
-            await close()
-            raise
-
-        async def events() -> AsyncIterator[bytes]:
-            try:
-                if chat:
-                    for c in run.choices:
-                        yield chunk(c, None, None, first=True)
-                item, left = first, len(run.choices)
-                while True:
-                    c, piece = item
-                    if isinstance(piece, BaseException):
-                        raise piece
-                    if piece is None:
-                        yield chunk(c, None, c.finish)
-                        left -= 1
-                        if not left:
-                            break
-                    else:
-                        yield chunk(c, piece, None)
-                    item = await queue.get()
-                run.done()
-                if run.params.include_usage:
-                    yield _sse({**head, "choices": [], "usage": run.usage()})
-                yield _sse("[DONE]")
-            except TandemError as e:   # after the answer started: an error event, as OpenAI
-                yield _sse(from_tandem(e, cfg.retry_after_s).body())
-            finally:
-                await close()
-
-        return EventStream(events(), close, media_type="text/event-stream",
-                           headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-    # --- vLLM's token routes and probe ---
-    async def token_route_body(request: Request) -> dict:
-        """The body of a /tokenize or /detokenize request, once its key and model are checked."""
-        authorize(request)
-        if not gw.ready:
-            raise ApiError(503, "the gateway is starting", code="unavailable",
-                           type="service_unavailable_error")
-        body = await read_body(request, cfg.max_body_bytes)
-        check_model(body, gw.model_ids)
-        return body
-
-    async def tokenize(request: Request) -> Response:
-        try:
-            body = await token_route_body(request)
-            if ("prompt" in body) == ("messages" in body):
-                raise ApiError(400, "prompt or messages: send one of them", param="prompt",
-                               code="missing_required_parameter")
-            if "prompt" in body:
-                prompt = body["prompt"]
-                if not isinstance(prompt, str):
-                    raise _type_error("prompt", "a string", prompt)
-                ids = await gw.text_ids(prompt, get_bool(body, "add_special_tokens", True))
-            else:   # as the chat route renders it, tools included
-                messages = chat_messages(body, cfg.max_messages, gw.supports_tools)
-                ids = await gw.chat_ids(messages, tool_spec(body, cfg.max_constraint_bytes))
-            return JSONResponse({"count": len(ids), "max_model_len": gw.max_model_len,
-                                 "tokens": ids, "token_strs": None})
-        except ApiError as e:
-            return e.response()
-
-    async def detokenize(request: Request) -> Response:
-        try:
-            body = await token_route_body(request)
-            tokens = body.get("tokens")
-            if tokens is None:
-                raise ApiError(400, "tokens: required", param="tokens",
-                               code="missing_required_parameter")
-            if not isinstance(tokens, list) or not all(
-                    isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-                raise _type_error("tokens", "a list of token ids", tokens)
-            vocab = len(gw.tokenizer)
-            bad = [t for t in tokens if not 0 <= t < vocab]
-            if bad:
-                raise ApiError(400, f"tokens: ids outside the vocabulary [0, {vocab}): "
-                               f"{bad[:5]}", param="tokens", code="invalid_value")
-            return JSONResponse({"prompt": gw.tokenizer.decode(tokens)})
-        except ApiError as e:
-            return e.response()
-
-    async def health(request: Request) -> Response:
-        return Response(status_code=200 if gw.ready else 503)
-
-    async def metrics_route(request: Request) -> Response:
-        return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
-
-    async def healthz(request: Request) -> Response:
-        return PlainTextResponse("ok")
-
-    async def readyz(request: Request) -> Response:
-        return PlainTextResponse("ready" if gw.ready else "loading",
-                                 status_code=200 if gw.ready else 503)
-
-    async def not_found(request: Request, exc) -> Response:
-        return ApiError(404, f"no route {request.method} {request.url.path}",
-                        code="not_found").response()
-
-    async def not_allowed(request: Request, exc) -> Response:
-        return ApiError(405, f"method {request.method} not allowed on {request.url.path}",
-                        code="method_not_allowed").response()
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app):
-        await gw.start()
-        try:
-            yield
-        finally:
-            await gw.stop()
-
-    app = Starlette(routes=[
-        Route("/v1/models", models_route, methods=["GET"]),
-        Route("/v1/completions", generation, methods=["POST"]),
-        Route("/v1/chat/completions", generation, methods=["POST"]),
-        Route("/metrics", metrics_route, methods=["GET"]),
-        Route("/healthz", healthz, methods=["GET"]),
-        Route("/readyz", readyz, methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/tokenize", tokenize, methods=["POST"]),
-        Route("/detokenize", detokenize, methods=["POST"]),
-    ], lifespan=lifespan, exception_handlers={404: not_found, 405: not_allowed})
-    app.state.gateway = gw
+    app = Starlette(routes=ROUTES, lifespan=lifespan,
+                    exception_handlers={404: not_found, 405: not_allowed})
+    app.state.config = cfg
+    app.state.keys = keys
+    app.state.gateway = Gateway(cfg)
     return CountRequests(app)
 
 
@@ -1007,12 +1109,8 @@ class EventStream(StreamingResponse):
         self.on_close = on_close
 
     async def __call__(self, scope, receive, send) -> None:
-        async def disconnected() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-
         streaming = asyncio.ensure_future(self.stream_response(send))
-        watching = asyncio.ensure_future(disconnected())
+        watching = asyncio.ensure_future(until_disconnected(receive))
         try:
             await asyncio.wait((streaming, watching), return_when=asyncio.FIRST_COMPLETED)
         finally:

@@ -61,6 +61,7 @@ import sys
 import threading
 import time
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench import workloads
@@ -536,7 +537,7 @@ def summarize(runs: dict[tuple, list[dict]], uplinks: list, policies: list[str],
     return rows, violations, parts
 
 
-def main(argv=None) -> int:
+def arg_parser() -> argparse.ArgumentParser:
     from stack.wan import SCENARIOS
     ap = argparse.ArgumentParser(prog="tandem bench spec", description=__doc__.split("\n")[0])
     ap.add_argument("--workload", default="humaneval", type=str.lower, choices=workloads.WORKLOADS)
@@ -575,7 +576,36 @@ def main(argv=None) -> int:
                          "(default: 1.5 x cloud-only's single-session TPT)")
     ap.add_argument("--proactive-depth", type=int, default=1,
                     help="proactive rounds in flight behind the active one (PipeSD: 1)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+class SetupError(Exception):
+    """A model, drafter or workload the run cannot have (exit status 2, nothing started)."""
+
+
+@dataclass
+class Plan:
+    """What a run measures, settled from its arguments before anything starts."""
+    args: argparse.Namespace
+    model: str
+    target_dir: Path
+    drafter_path: Path
+    n: int                          # tokens per request
+    budget: int                     # BO evaluations per knobbed policy
+    window: int                     # tuning prompts per evaluation
+    policies: list[str]
+    knobbed: list[str]              # the policies with knobs to tune
+    uplinks: list[float | None]     # [None]: the scenario's own uplink
+    loads: list[int]                # the load sweep's session counts
+    workload_size: int
+    limit: int                      # the first test prompts measured (0: all of them)
+    tune_set: list
+    test_set: list
+
+
+def plan_run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Plan:
+    """The run's model, sizes and policies, and the workload split (seeded) into tuning and test
+    prompts. A bad policy or uplink setting is a usage error (SystemExit)."""
     from common import models
     try:
         model = models.named(args.model).name
@@ -583,10 +613,7 @@ def main(argv=None) -> int:
         target_dir = models.resolve_target(model)
         drafter_path = models.resolve_drafter(args.drafter)
     except models.ModelError as e:
-        print(f"tandem bench spec: {e}", file=sys.stderr)
-        return 2
-    n = args.max_tokens or (16 if args.quick else 128)
-    budget = args.tune_budget or (3 if args.quick else 16)
+        raise SetupError(str(e)) from None
     window = args.tune_window or (1 if args.quick else 4)
     policies = args.policies.split(",")
     try:
@@ -598,139 +625,218 @@ def main(argv=None) -> int:
     uplinks = [float(x) for x in args.uplink.split(",") if x] or [None]
     if uplinks != [None] and args.scenario == "none":
         ap.error("--uplink needs an emulated link (--scenario s1, s2, s3 or lan)")
-    loads = [int(x) for x in args.load.split(",") if x]
     try:
         every = workloads.load(args.workload)
     except workloads.WorkloadError as e:
-        print(f"tandem bench spec: {e}", file=sys.stderr)
-        return 2
+        raise SetupError(str(e)) from None
     tune_set, test_set = workloads.split(every, seed=args.seed)
     limit = args.prompts or (2 if args.quick else 0)
     if limit:
         test_set = test_set[:limit]
     if args.quick:
         tune_set = tune_set[:max(1, window)]
-    t_start = time.monotonic()
-    tok = tokenizer(model)
-    test_ids = workloads.encode(test_set, tok)
-    tune_ids = workloads.encode(tune_set, tok)
-    test_names = list(test_ids)
-    knobbed = [p for p in policies if knob_policy(p)]
-    print(f"# bench_spec: workload {args.workload}: {len(every)} prompts, split (seed {args.seed}) "
-          f"into {len(tune_set)} tuning and {len(test_names)} measured test prompts "
-          f"({'first ' + str(limit) + ' of the test set' if limit else 'the whole test set'}); "
-          f"{len(policies)} policies x {args.repeats} repeats, {n} tokens, model {model}, "
-          f"drafter {args.drafter}; tuning: "
-          + ("off (--no-tune: defaults)" if args.no_tune else
-             f"{budget} BO evaluations x {window} tuning prompts for {knobbed}"), flush=True)
+    return Plan(args=args, model=model, target_dir=target_dir, drafter_path=drafter_path,
+                n=args.max_tokens or (16 if args.quick else 128),
+                budget=args.tune_budget or (3 if args.quick else 16), window=window,
+                policies=policies, knobbed=[p for p in policies if knob_policy(p)],
+                uplinks=uplinks, loads=[int(x) for x in args.load.split(",") if x],
+                workload_size=len(every), limit=limit, tune_set=tune_set, test_set=test_set)
 
-    ref = reference_outputs(test_ids, n, model)
-    matches = draft_matches(drafter_path, test_ids, ref)
-    verify_s = verify_curve(target_dir, test_ids[test_names[0]], most=32)
-    rtt = link_rtt_s(args.scenario)
+
+@dataclass
+class Prompts:
+    """The tuning and test prompts as the target's token ids, by name."""
+    tune_ids: dict[str, list[int]]
+    test_ids: dict[str, list[int]]
+    test_names: list[str]
+
+
+def encode_prompt_sets(plan: Plan) -> Prompts:
+    tok = tokenizer(plan.model)
+    test_ids = workloads.encode(plan.test_set, tok)
+    return Prompts(tune_ids=workloads.encode(plan.tune_set, tok), test_ids=test_ids,
+                   test_names=list(test_ids))
+
+
+def print_plan(plan: Plan, prompts: Prompts) -> None:
+    args = plan.args
+    measured = f"first {plan.limit} of the test set" if plan.limit else "the whole test set"
+    print(f"# bench_spec: workload {args.workload}: {plan.workload_size} prompts, split (seed "
+          f"{args.seed}) into {len(plan.tune_set)} tuning and {len(prompts.test_names)} measured "
+          f"test prompts ({measured}); "
+          f"{len(plan.policies)} policies x {args.repeats} repeats, {plan.n} tokens, model "
+          f"{plan.model}, drafter {args.drafter}; tuning: "
+          + ("off (--no-tune: defaults)" if args.no_tune else
+             f"{plan.budget} BO evaluations x {plan.window} tuning prompts for {plan.knobbed}"),
+          flush=True)
+
+
+@dataclass
+class BoundInputs:
+    """What the clairvoyant bound and the reference check need, measured before the stack
+    starts: transformers' greedy outputs, the drafter's agreement with them, the verifier's cost
+    curve and the link's round trip."""
+    ref: dict[str, list[int]]
+    matches: dict[str, list[bool]]
+    verify_s: list[float]
+    rtt: float
+
+
+def measure_bound_inputs(plan: Plan, prompts: Prompts) -> BoundInputs:
+    ref = reference_outputs(prompts.test_ids, plan.n, plan.model)
+    matches = draft_matches(plan.drafter_path, prompts.test_ids, ref)
+    verify_s = verify_curve(plan.target_dir, prompts.test_ids[prompts.test_names[0]], most=32)
+    rtt = link_rtt_s(plan.args.scenario)
     print(f"# bound inputs: drafter agrees with the reference on "
           f"{sum(map(sum, matches.values()))}/{sum(map(len, matches.values()))} positions; "
           f"verify cost {verify_s[0] * 1000:.1f} ms (b=0) .. {verify_s[-1] * 1000:.1f} ms "
           f"(b={len(verify_s) - 1}); link RTT {rtt * 1000:.1f} ms", flush=True)
+    return BoundInputs(ref=ref, matches=matches, verify_s=verify_s, rtt=rtt)
 
-    runs: dict[tuple, list[dict]] = {(u, p): [] for u in uplinks for p in policies}
 
+@dataclass
+class Measured:
+    """What the stack measured: the runs per (uplink, policy), the knobs each policy ran with
+    and how they were chosen, the load sweep's rows and the drafter's prompt tokens."""
+    runs: dict[tuple, list[dict]]
+    knobs: dict[str, dict | None] = field(default_factory=dict)
+    tuned: dict[str, dict] = field(default_factory=dict)
+    load_rows: list[dict] = field(default_factory=list)
     prompt_tokens: dict | None = None
 
-    def save(results: list[dict], violations: list[str], load: dict | None,
-             partial: dict | None = None) -> None:
-        write_json(args.json, "spec", args.scenario, results, drafter_prompt_tokens=prompt_tokens,
-                   link=note, model=model, drafter=args.drafter, max_tokens=n,
-                   repeats=args.repeats, workload=args.workload, seed=args.seed,
-                   tuning_prompts=[p.name for p in tune_set], test_prompts=test_names,
-                   tuned=not args.no_tune, tune_budget=budget, tune_window=window,
-                   proactive_depth=args.proactive_depth,
-                   uplinks_mbit=[u for u in uplinks if u is not None], energy=energy_note(),
-                   bound={"rtt_s": rtt, "verify_s": verify_s, "prefill": "not counted",
-                          "violations": violations},
-                   load=load, partial=partial)
-    last_save = time.monotonic()
-    info: dict = {}
-    tuned: dict[str, dict] = {}
-    load_rows: list[dict] = []
-    with spec_cluster(args.scenario, str(drafter_path), bo=False,
-                      proactive_depth=args.proactive_depth, info=info,
-                      target=model) as (c, link, note):
-        meter = Meter({k: v for k, v in info["pids"].items()})
-        print(f"# link {note}; pinning: drafter+dispatcher on core 0, verifier on core 1, "
-              f"1 thread each; {energy_note()}", flush=True)
-        first = test_ids[test_names[0]]
-        for p in policies:   # warm-up: first-call costs (oneDNN packing, imports) left out
-            run_request(c, p, first, 4)
-        if uplinks[0] is not None:
-            link.set_uplink(uplinks[0])
-        knobs: dict[str, dict | None] = {}
-        if args.no_tune:
-            for p in knobbed:
-                knobs[p] = dict(DEFAULTS[p])
-                tuned[p] = {"knobs": knobs[p], "how": "defaults (--no-tune)"}
-        elif knobbed:
-            names = list(tune_ids)
 
-            def evaluate(p, k, i):
-                chunk = [names[(i * window + j) % len(names)] for j in range(window)]
-                return statistics.fmean(run_request(c, p, tune_ids[x], n, k)[1]["tpt_s"]
-                                        for x in chunk)
-            t = time.monotonic()
-            results = LockstepTuning(knobbed, budget, args.seed).run(
-                evaluate, lambda s: print(s, flush=True))
-            print(f"# tuning took {time.monotonic() - t:.0f} s", flush=True)
-            for p, res in results.items():
-                knobs[p] = res.knobs
-                tuned[p] = {"knobs": res.knobs,
-                            "how": f"BO, {budget} evaluations x {window} tuning prompts, "
-                                   "TPT relative to the default knobs on the same prompts, "
-                                   "lowest GP posterior mean",
-                            "budget": budget, "tuning_prompts": len(names),
-                            "evaluations": res.evaluations}
-                print(f"# tuned {p}: {_knobs(res.knobs)}", flush=True)
-        for u in uplinks:
-            if u is not None:
-                link.set_uplink(u)
-                print(f"# uplink {u:g} Mbit/s", flush=True)
-            label = "bench spec" + ("" if u is None else f" {u:g} Mbit/s")
-            with Progress(args.repeats * len(test_names) * len(policies), label, tick=True) as bar:
-                for rep in range(args.repeats):
-                    for i, k in enumerate(test_names):
-                        order = policies if (rep * len(test_names) + i) % 2 == 0 else policies[::-1]
-                        for p in order:
-                            bar.stage(f"{p} {k} rep {rep}")
-                            x = measured_request(c, p, test_ids[k], n, knobs.get(p), meter, ref[k])
-                            runs[u, p].append({"prompt": k, "repeat": rep, **x})
-                            bar.write(f"  {p:14s} {k:16s} rep {rep}: TPT "
-                                      f"{x['tpt_s'] * 1000:7.1f} ms  identical={x['identical']}")
-                            bar.advance()
-                        # A run of the whole test set takes hours: every ten minutes the JSON
-                        # holds the prompts finished so far, so a stopped run still reports them.
-                        if args.json and time.monotonic() - last_save > 600:
-                            part, viol, _ = summarize(runs, uplinks, policies, test_names,
-                                                      matches, n, rtt, verify_s, tuned)
-                            done = len({x["prompt"] for x in part[0]["runs"]}) if part else 0
-                            save(part, viol, None, {"test_prompts_finished": done,
-                                                    "of": len(test_names)})
-                            last_save = time.monotonic()
-        if loads:
-            lp = [test_ids[k] for k in test_names[:max(1, args.load_prompts)]]
-            lpol = [p for p in ("pipesd", "cloud-only") if p in policies]
-            print(f"# load sweep: {loads} sessions x {len(lp)} prompts each, {lpol}", flush=True)
-            load_rows = load_sweep(info["endpoint"], loads, lpol, lp, n, knobs,
-                                   info["pids"]["verifier"], lambda s: print(s, flush=True))
-        prompt_tokens = prompt_cache_tokens(info["drafter_metrics"])
-        print(f"# drafter prompt tokens: {prompt_tokens['miss']:.0f} evaluated, "
-              f"{prompt_tokens['hit']:.0f} reused (every request pays its prompt: 0 reused)",
-              flush=True)
+def summarize_runs(plan: Plan, prompts: Prompts, bound_in: BoundInputs, measured: Measured):
+    return summarize(measured.runs, plan.uplinks, plan.policies, prompts.test_names,
+                     bound_in.matches, plan.n, bound_in.rtt, bound_in.verify_s, measured.tuned)
 
-    rows, violations, parts = summarize(runs, uplinks, policies, test_names, matches, n, rtt,
-                                        verify_s, tuned)
+
+def save_results(plan: Plan, prompts: Prompts, bound_in: BoundInputs, measured: Measured,
+                 note: str, results: list[dict], violations: list[str], load: dict | None,
+                 partial: dict | None = None) -> None:
+    args = plan.args
+    write_json(args.json, "spec", args.scenario, results,
+               drafter_prompt_tokens=measured.prompt_tokens, link=note, model=plan.model,
+               drafter=args.drafter, max_tokens=plan.n, repeats=args.repeats,
+               workload=args.workload, seed=args.seed,
+               tuning_prompts=[p.name for p in plan.tune_set], test_prompts=prompts.test_names,
+               tuned=not args.no_tune, tune_budget=plan.budget, tune_window=plan.window,
+               proactive_depth=args.proactive_depth,
+               uplinks_mbit=[u for u in plan.uplinks if u is not None], energy=energy_note(),
+               bound={"rtt_s": bound_in.rtt, "verify_s": bound_in.verify_s,
+                      "prefill": "not counted", "violations": violations},
+               load=load, partial=partial)
+
+
+class Checkpoints:
+    """A run of the whole test set takes hours: every ten minutes (of the run, counted from
+    before the stack starts) the JSON holds the test prompts finished so far, so a stopped run
+    still reports them."""
+
+    def __init__(self, plan: Plan, prompts: Prompts, bound_in: BoundInputs):
+        self.plan, self.prompts, self.bound_in = plan, prompts, bound_in
+        self.saved_at = time.monotonic()
+
+    def maybe_save(self, measured: Measured, note: str) -> None:
+        if not self.plan.args.json or time.monotonic() - self.saved_at <= 600:
+            return
+        part, viol, _ = summarize_runs(self.plan, self.prompts, self.bound_in, measured)
+        done = len({x["prompt"] for x in part[0]["runs"]}) if part else 0
+        save_results(self.plan, self.prompts, self.bound_in, measured, note, part, viol, None,
+                     {"test_prompts_finished": done, "of": len(self.prompts.test_names)})
+        self.saved_at = time.monotonic()
+
+
+def warm_up(c, plan: Plan, prompts: Prompts) -> None:
+    """One short request per policy: first-call costs (oneDNN packing, imports) left out."""
+    first = prompts.test_ids[prompts.test_names[0]]
+    for p in plan.policies:
+        run_request(c, p, first, 4)
+
+
+def tune_policies(c, plan: Plan, prompts: Prompts, measured: Measured) -> None:
+    """Each knobbed policy's knobs (measured.knobs) and how they were chosen (measured.tuned):
+    the defaults with --no-tune, else the lockstep BO on the tuning prompts."""
+    if plan.args.no_tune:
+        for p in plan.knobbed:
+            measured.knobs[p] = dict(DEFAULTS[p])
+            measured.tuned[p] = {"knobs": measured.knobs[p], "how": "defaults (--no-tune)"}
+        return
+    if not plan.knobbed:
+        return
+    names = list(prompts.tune_ids)
+
+    def evaluate(p, k, i):
+        chunk = [names[(i * plan.window + j) % len(names)] for j in range(plan.window)]
+        return statistics.fmean(run_request(c, p, prompts.tune_ids[x], plan.n, k)[1]["tpt_s"]
+                                for x in chunk)
+    t = time.monotonic()
+    results = LockstepTuning(plan.knobbed, plan.budget, plan.args.seed).run(
+        evaluate, lambda s: print(s, flush=True))
+    print(f"# tuning took {time.monotonic() - t:.0f} s", flush=True)
+    for p, res in results.items():
+        measured.knobs[p] = res.knobs
+        measured.tuned[p] = {"knobs": res.knobs,
+                             "how": f"BO, {plan.budget} evaluations x {plan.window} tuning "
+                                    "prompts, TPT relative to the default knobs on the same "
+                                    "prompts, lowest GP posterior mean",
+                             "budget": plan.budget, "tuning_prompts": len(names),
+                             "evaluations": res.evaluations}
+        print(f"# tuned {p}: {_knobs(res.knobs)}", flush=True)
+
+
+def measure_interleaved(c, link, note: str, meter: Meter, plan: Plan, prompts: Prompts,
+                        bound_in: BoundInputs, measured: Measured,
+                        checkpoints: Checkpoints) -> None:
+    """Every policy on every test prompt at every uplink, into measured.runs; the policies
+    interleaved, their order reversed on every other prompt, so machine drift spreads over all
+    of them."""
+    policies, names, reps = plan.policies, prompts.test_names, plan.args.repeats
+    for u in plan.uplinks:
+        if u is not None:
+            link.set_uplink(u)
+            print(f"# uplink {u:g} Mbit/s", flush=True)
+        label = "bench spec" + ("" if u is None else f" {u:g} Mbit/s")
+        with Progress(reps * len(names) * len(policies), label, tick=True) as bar:
+            for rep in range(reps):
+                for i, k in enumerate(names):
+                    order = policies if (rep * len(names) + i) % 2 == 0 else policies[::-1]
+                    for p in order:
+                        bar.stage(f"{p} {k} rep {rep}")
+                        x = measured_request(c, p, prompts.test_ids[k], plan.n,
+                                             measured.knobs.get(p), meter, bound_in.ref[k])
+                        measured.runs[u, p].append({"prompt": k, "repeat": rep, **x})
+                        bar.write(f"  {p:14s} {k:16s} rep {rep}: TPT "
+                                  f"{x['tpt_s'] * 1000:7.1f} ms  identical={x['identical']}")
+                        bar.advance()
+                    checkpoints.maybe_save(measured, note)
+
+
+def sweep_load(info: dict, plan: Plan, prompts: Prompts, measured: Measured) -> None:
+    """With --load: pipesd and cloud-only at each number of concurrent sessions."""
+    if not plan.loads:
+        return
+    lp = [prompts.test_ids[k] for k in prompts.test_names[:max(1, plan.args.load_prompts)]]
+    lpol = [p for p in ("pipesd", "cloud-only") if p in plan.policies]
+    print(f"# load sweep: {plan.loads} sessions x {len(lp)} prompts each, {lpol}", flush=True)
+    measured.load_rows = load_sweep(info["endpoint"], plan.loads, lpol, lp, plan.n,
+                                    measured.knobs, info["pids"]["verifier"],
+                                    lambda s: print(s, flush=True))
+
+
+def read_prompt_tokens(info: dict, measured: Measured) -> None:
+    measured.prompt_tokens = prompt_cache_tokens(info["drafter_metrics"])
+    print(f"# drafter prompt tokens: {measured.prompt_tokens['miss']:.0f} evaluated, "
+          f"{measured.prompt_tokens['hit']:.0f} reused (every request pays its prompt: 0 reused)",
+          flush=True)
+
+
+def print_comparison(parts: list, violations: list[str], note: str, prompts: Prompts) -> None:
+    """Per uplink: the table, the headline (pipesd over the best tuned baseline) and pipesd's
+    distance to the bound; then any request measured under its bound."""
     for u, part, bound_tpt_ms in parts:
         print()
-        print(f"# TPT = wall time / tokens, mean over {len(test_names)} test prompts; link {note}"
-              + ("" if u is None else f"; uplink {u:g} Mbit/s"))
+        print(f"# TPT = wall time / tokens, mean over {len(prompts.test_names)} test prompts; "
+              f"link {note}" + ("" if u is None else f"; uplink {u:g} Mbit/s"))
         print(table(part, COLUMNS))
         by = {r["policy"]: r for r in part}
         if "pipesd" in by and by["pipesd"].get("vs_best_baseline"):
@@ -746,20 +852,63 @@ def main(argv=None) -> int:
                   f"(bound TPT {bound_tpt_ms:.1f} ms)")
     for v in violations:
         print(f"# BUG: a policy measured faster than the clairvoyant bound — {v}")
-    budget_ms = args.tpt_budget_ms
+
+
+def load_summary(plan: Plan, load_rows: list[dict]) -> dict | None:
+    """The load sweep's verdict: how many edge sessions one verifier core serves within the TPT
+    budget (--tpt-budget-ms, else 1.5 x cloud-only's TPT at the fewest sessions)."""
+    budget_ms = plan.args.tpt_budget_ms
     if load_rows and not budget_ms:
         single = [r["tpt_ms"] for r in load_rows
-                  if r["policy"] == "cloud-only" and r["sessions"] == min(loads) and r["tpt_ms"]]
+                  if r["policy"] == "cloud-only" and r["sessions"] == min(plan.loads)
+                  and r["tpt_ms"]]
         budget_ms = 1.5 * single[0] if single else 0.0
     served = users_within(load_rows, budget_ms) if load_rows else {}
     if load_rows:
         print(f"# edge sessions one verifier core serves within {budget_ms:.1f} ms/token: {served}")
+    if not plan.loads:
+        return None
+    return {"sessions": plan.loads, "tpt_budget_ms": budget_ms, "users_within_budget": served}
+
+
+def main(argv=None) -> int:
+    ap = arg_parser()
+    args = ap.parse_args(argv)
+    try:
+        plan = plan_run(ap, args)
+    except SetupError as e:
+        print(f"tandem bench spec: {e}", file=sys.stderr)
+        return 2
+    t_start = time.monotonic()
+    prompts = encode_prompt_sets(plan)
+    print_plan(plan, prompts)
+    bound_in = measure_bound_inputs(plan, prompts)
+
+    measured = Measured(runs={(u, p): [] for u in plan.uplinks for p in plan.policies})
+    checkpoints = Checkpoints(plan, prompts, bound_in)
+    info: dict = {}
+    with spec_cluster(args.scenario, str(plan.drafter_path), bo=False,
+                      proactive_depth=args.proactive_depth, info=info,
+                      target=plan.model) as (c, link, note):
+        meter = Meter(dict(info["pids"]))
+        print(f"# link {note}; pinning: drafter+dispatcher on core 0, verifier on core 1, "
+              f"1 thread each; {energy_note()}", flush=True)
+        warm_up(c, plan, prompts)
+        if plan.uplinks[0] is not None:   # tuning happens at the first uplink
+            link.set_uplink(plan.uplinks[0])
+        tune_policies(c, plan, prompts, measured)
+        measure_interleaved(c, link, note, meter, plan, prompts, bound_in, measured, checkpoints)
+        sweep_load(info, plan, prompts, measured)
+        read_prompt_tokens(info, measured)
+
+    rows, violations, parts = summarize_runs(plan, prompts, bound_in, measured)
+    print_comparison(parts, violations, note, prompts)
+    load = load_summary(plan, measured.load_rows)
     print(f"# wall time {time.monotonic() - t_start:.0f} s")
-    save(rows + load_rows, violations,
-         {"sessions": loads, "tpt_budget_ms": budget_ms, "users_within_budget": served}
-         if loads else None)
-    same = all(x["identical"] for rs in runs.values() for x in rs)
-    return 0 if same and not violations else 1
+    save_results(plan, prompts, bound_in, measured, note, rows + measured.load_rows, violations,
+                 load)
+    identical = all(x["identical"] for rs in measured.runs.values() for x in rs)
+    return 0 if identical and not violations else 1
 
 
 if __name__ == "__main__":
