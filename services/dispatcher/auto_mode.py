@@ -36,8 +36,8 @@ from common.protocol import ProtocolError
 from services.dispatcher import auto_policy, cloud_only
 from services.dispatcher.auto_policy import CLOUD_ONLY, Candidate, Choice, Estimates, Link, Switch
 from services.dispatcher.config import names
-from services.dispatcher.spec_mode import SpecRun, check_knobs, check_policy
-from services.dispatcher.spec_session import POLICIES
+from services.dispatcher.spec.mode import SpecRun, check_knobs, check_policy
+from services.dispatcher.spec.session import POLICIES
 from services.dispatcher.split_mode import check_cut
 
 NAME = "auto"

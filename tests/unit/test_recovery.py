@@ -88,7 +88,7 @@ def test_a_recoverable_failure_with_time_left_allows_a_replay():
 # --- spec mode's replay loop (SpecRun.recover) ------------------------------------------------
 def _spec_recover(req: FakeRequest, replay) -> PeerError:
     """SpecRun.recover on its own: `replay` stands in for rebuilding the verifier session."""
-    from services.dispatcher.spec_mode import SpecRun
+    from services.dispatcher.spec.mode import SpecRun
     run = SimpleNamespace(rec=Recovery(req, [], "verifier"), replay_verifier=replay)
     with pytest.raises(PeerError) as e:
         asyncio.run(SpecRun.recover(run, PeerError(protocol.UNAVAILABLE, "verifier down")))

@@ -1,7 +1,7 @@
 """Speculative mode (PipeSD, DESIGN.md §3): the per-session loop on the dispatcher.
 
 Wiring only; the decisions live in pure modules:
-    spec_session.SpecRounds    rounds, proactive rounds, what to send / emit / roll back
+    session.SpecRounds         rounds, proactive rounds, what to send / emit / roll back
     nav_trigger                when to verify (dual threshold, HSL, EdgeLLM, fixed, oracle-trigger)
     dp_batching.BatchPlanner   how to batch the tokens of a round (Algorithm 1)
     link_model                 α, β (least squares over batch acks) and γ (drafter timings)
@@ -48,15 +48,15 @@ from common import metrics, protocol, sampling
 from common.protocol import ProtocolError
 from common.runtime import PeerError
 from services.dispatcher import recovery
-from services.dispatcher.bo_tuner import BOConfig, BOTuner
-from services.dispatcher.dp_batching import BatchPlanner
-from services.dispatcher.learned_trigger import AcceptanceModel, LearnedTrigger
-from services.dispatcher.link_model import DraftSpeed, DraftSpeedConfig, LinkModel, LinkModelConfig
-from services.dispatcher.nav_trigger import DraftWindow, NavConfig, make_trigger
-from services.dispatcher.spec_session import (POLICIES, Draft, Emit, Hooks, Limit, Rollback,
+from services.dispatcher.spec.bo_tuner import BOConfig, BOTuner
+from services.dispatcher.spec.dp_batching import BatchPlanner
+from services.dispatcher.spec.learned_trigger import AcceptanceModel, LearnedTrigger
+from services.dispatcher.spec.link_model import DraftSpeed, DraftSpeedConfig, LinkModel, LinkModelConfig
+from services.dispatcher.spec.nav_trigger import DraftWindow, NavConfig, make_trigger
+from services.dispatcher.spec.session import (POLICIES, Draft, Emit, Hooks, Limit, Rollback,
                                               SendBatch, SendNav, SpecError, SpecRounds)
-from services.dispatcher.tree_policy import TreePolicy, TreePolicyConfig
-from services.dispatcher.tree_session import AskTree, TreeRounds
+from services.dispatcher.spec.tree_policy import TreePolicy, TreePolicyConfig
+from services.dispatcher.spec.tree_session import AskTree, TreeRounds
 
 log = logging.getLogger("tandem.dispatcher.spec")
 SERVICE = "dispatcher"

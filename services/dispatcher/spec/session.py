@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from services.dispatcher.dp_batching import BatchPlanner
-from services.dispatcher.nav_trigger import NavTrigger
+from services.dispatcher.spec.dp_batching import BatchPlanner
+from services.dispatcher.spec.nav_trigger import NavTrigger
 
 
 class SpecError(RuntimeError):
@@ -70,7 +70,7 @@ POLICIES = {
     "tree-stream": Policy("tree-stream", "tree", dp=True, proactive=True, stream=True, bo=False,
                           tree=True),
     # PipeSD with the dual threshold replaced by an online acceptance model and a stopping rule
-    # priced by the link model (services/dispatcher/learned_trigger.py); it tunes itself, so the
+    # priced by the link model (services/dispatcher/spec/learned_trigger.py); it tunes itself, so the
     # (R1, R2) autotuner has nothing to move (its knob k goes through bench/tuning.py's BO)
     "pipesd-learned": Policy("pipesd-learned", "pipesd-learned", dp=True, proactive=True,
                              stream=False, bo=False),

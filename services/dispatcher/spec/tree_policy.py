@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from common import protocol
 from common.tree_shape import ROOT
-from services.dispatcher.link_model import _nonneg_least_squares
+from services.dispatcher.spec.link_model import _nonneg_least_squares
 
 __all__ = ["TreePolicyConfig", "TreePolicy", "ranks"]
 
