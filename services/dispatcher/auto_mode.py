@@ -36,7 +36,7 @@ from common.protocol import ProtocolError
 from services.dispatcher import auto_policy, cloud_only
 from services.dispatcher.auto_policy import CLOUD_ONLY, Candidate, Choice, Estimates, Link, Switch
 from services.dispatcher.config import names
-from services.dispatcher.spec.mode import SpecRun, check_knobs, check_policy
+from services.dispatcher.spec.mode import check_knobs, check_policy, spec_run
 from services.dispatcher.spec.session import POLICIES
 from services.dispatcher.split_mode import check_cut
 
@@ -170,9 +170,9 @@ class Auto:
                         finally:
                             forwards += len(req.tokens) - start
                     else:
-                        run = SpecRun(req, check_policy(current.policy, req.sampling),
-                                      d.modes["spec"].edge, segment_tag(start), handover,
-                                      drafter)
+                        run = spec_run(req, check_policy(current.policy, req.sampling),
+                                       d.modes["spec"].edge, segment_tag(start), handover,
+                                       drafter)
                         drafter = None   # the stretch owns it now (and closes it, or hands it on)
                         try:
                             await run.run()

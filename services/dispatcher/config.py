@@ -13,7 +13,7 @@ from services.dispatcher.spec.session import POLICIES
 
 @dataclass
 class SpecConfig:
-    """Speculative mode (PipeSD), services/dispatcher/spec/mode.py."""
+    """Speculative mode (PipeSD), services/dispatcher/spec/."""
     policy: str = setting("pipesd", f"policy of a request that names none: {' | '.join(POLICIES)}")
     lookahead: int = setting(96, "drafter may run this many tokens past the committed prefix", ge=1)
     r1: float = setting(0.90, "dual-threshold R1 (cumulative) before/without tuning", gt=0, le=1)

@@ -1,6 +1,7 @@
 """One speculative session's round bookkeeping on the dispatcher (DESIGN.md §3). Pure: no I/O,
-no clock. spec_mode.py feeds it drafter tokens and verifier results and carries out the actions
-it returns (send a batch, send a NAV, emit tokens, roll the drafter back, raise its limit).
+no clock. The session (chain_run.ChainRun) feeds it drafter tokens and verifier results and
+carries out the actions it returns (send a batch, send a NAV, emit tokens, roll the drafter back,
+raise its limit).
 
 Positions are absolute (prompt included). C = committed tokens. `drafts` holds the drafter's
 tokens at positions C, C+1, ... of its current epoch. Rounds cover consecutive positions:

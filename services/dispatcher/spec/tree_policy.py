@@ -1,5 +1,5 @@
 """What a token-tree round may cost and gain, from what the dispatcher measures online. Pure: no
-I/O, no clock; spec_mode.py feeds it measurements.
+I/O, no clock; tree_run.TreeRun feeds it measurements.
 
 The drafter grows the tree (common/tree_shape.py: best-first by estimated path-acceptance
 probability P, a node added while P × token_value_s pays its marginal cost); this module gives

@@ -1,6 +1,6 @@
 """One speculative session's token-tree rounds on the dispatcher (policies `tree` and
 `tree-stream`). Pure: no I/O, no clock; the counterpart of session.SpecRounds for trees,
-with the same actions and the same face to spec_mode.SpecRun.
+with the same actions and the same face to the session (tree_run.TreeRun).
 
 A round: ask the drafter for a tree rooted at the committed prefix (AskTree, with the shape rule
 from tree_policy.TreePolicy), forward each depth's nodes to the verifier as they arrive (one
