@@ -9,7 +9,7 @@ tuner is neither used nor fed by those requests), through the same services and 
 
     grid    4 x 4 cell centres over log10 R1 x R2
     random  uniform in (log10 R1, R2), seeded
-    bo      skopt GP + EI through services/dispatcher/bo_tuner.BOTuner, exactly as it runs live
+    bo      skopt GP + EI through services/dispatcher/spec/bo_tuner.BOTuner, exactly as it runs live
 
 The searches run in a seeded random order. A search's best evaluation is biased low (the minimum
 of noisy samples), so every search's chosen point, and the untuned default (0.90, 0.94), are then
@@ -28,7 +28,7 @@ import time
 
 from bench.bench_spec import encode_prompts, reference_outputs, spec_cluster
 from bench.report import summary, table, welch_t, write_json
-from services.dispatcher.bo_tuner import DEFAULT_R1, DEFAULT_R2, bo_search, grid_search, random_search
+from services.dispatcher.spec.bo_tuner import DEFAULT_R1, DEFAULT_R2, bo_search, grid_search, random_search
 
 SEARCHES = {"grid": grid_search, "random": random_search, "bo": bo_search}
 

@@ -11,7 +11,7 @@ tokens agree with the target's for exactly m(i) tokens (the run of True from i) 
 i + m(i).
 
 Costs (measured in the run): γ seconds per drafted token; a batch of b tokens occupies the
-uplink α + β·b (α excludes propagation, as services/dispatcher/link_model.py defines it); a
+uplink α + β·b (α excludes propagation, as services/dispatcher/spec/link_model.py defines it); a
 one-way latency each way (``rtt_s`` = up + down); a verification forward pass over the last
 batch of b draft tokens costs ``verify_s[b]`` (b = 0: one forward that only yields the target's
 token, as a cloud-only step). Prompt prefill is not counted (the bound is lower for it: a valid

@@ -1,7 +1,7 @@
 """Tuning parity: every speculative policy with knobs gets the same BO, the same budget, on the
 same tuning prompts, before anything is measured on the test set.
 
-The BO is the dispatcher's own (services/dispatcher/bo_tuner.py): skopt's Optimizer with a GP,
+The BO is the dispatcher's own (services/dispatcher/spec/bo_tuner.py): skopt's Optimizer with a GP,
 expected improvement with ξ = 0.1 on ln(TPT), the same initial points, acquisition settings and
 seed, the policy's current default evaluated first, and at the end the evaluated point with the
 lowest GP posterior mean (noise-aware, as BOTuner settles) is chosen. Only the search space
@@ -40,7 +40,7 @@ from typing import Callable
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from services.dispatcher.bo_tuner import DEFAULT_R1, DEFAULT_R2, R_HIGH, R_LOW, BOConfig
+from services.dispatcher.spec.bo_tuner import DEFAULT_R1, DEFAULT_R2, R_HIGH, R_LOW, BOConfig
 
 __all__ = ["KNOBS", "DEFAULTS", "TuneResult", "PolicyTuner", "tune", "knob_policy"]
 

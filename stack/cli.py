@@ -490,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "up":
         if args.mode == "auto":   # the dispatcher chooses, among what this install can run
             root = Path(__file__).resolve().parent.parent / "services" / "dispatcher"
-            ready = ("drafter" in _available_services() and (root / "spec_mode.py").is_file()
+            ready = ("drafter" in _available_services() and (root / "spec" / "mode.py").is_file()
                      and (args.drafter or not args.target or args.target.endswith(".gguf")))
             args.mode = "auto" if ready else "cloud-only"
         return cmd_up(args)

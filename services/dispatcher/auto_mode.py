@@ -38,8 +38,9 @@ from common.runtime import PeerError
 from services.dispatcher import auto_policy, cloud_only
 from services.dispatcher.auto_policy import CLOUD_ONLY, Candidate, Choice, Estimates, Link, Switch
 from services.dispatcher.config import names
-from services.dispatcher.spec_mode import OPEN_SEQ, SpecRun, check_knobs, check_policy
-from services.dispatcher.spec_session import POLICIES
+from services.dispatcher.spec.mode import check_knobs, check_policy, spec_run
+from services.dispatcher.spec.session import POLICIES
+from services.dispatcher.spec.verifier_link import OPEN_SEQ
 from services.dispatcher.split_mode import check_cut
 
 NAME = "auto"
@@ -188,9 +189,9 @@ class Auto:
                         finally:
                             forwards += len(req.tokens) - start
                     else:
-                        run = SpecRun(req, check_policy(current.policy, req.sampling),
-                                      d.modes["spec"].edge, segment_tag(start), handover,
-                                      drafter)
+                        run = spec_run(req, check_policy(current.policy, req.sampling),
+                                       d.modes["spec"].edge, segment_tag(start), handover,
+                                       drafter)
                         drafter = None   # the stretch owns it now (and closes it, or hands it on)
                         try:
                             await run.run()

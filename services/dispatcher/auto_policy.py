@@ -12,7 +12,7 @@ prefill left out) and W (cloud compute seconds per token):
 * speculative  with acceptance a per draft token and k draft tokens per round (both measured on
                this policy's requests, kept across sessions), a round commits
                E = (1 − a^(k+1)) / (1 − a) tokens. Its time is the DP's pipeline time for k
-               tokens (services/dispatcher/dp_batching.py: drafting at γ, batches at α + β·s),
+               tokens (services/dispatcher/spec/dp_batching.py: drafting at γ, batches at α + β·s),
                plus the round trip and one verify forward t_ver ≈ t_dec (a forward over k + 1
                positions of a model this small costs about one decode step: it reads the same
                weights); with proactive drafting (pipesd) the next round's drafting overlaps
@@ -50,7 +50,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.dispatcher.dp_batching import plan_batches_with_time
+from services.dispatcher.spec.dp_batching import plan_batches_with_time
 
 # why a candidate was chosen: the values of the `reason` metrics label
 COLD_START = "cold-start"          # nothing measured yet: cloud-only

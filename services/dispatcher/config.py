@@ -8,12 +8,12 @@ from dataclasses import dataclass
 from typing import Literal
 
 from common.config import ServiceConfig, default_endpoint, setting
-from services.dispatcher.spec_session import POLICIES
+from services.dispatcher.spec.session import POLICIES
 
 
 @dataclass
 class SpecConfig:
-    """Speculative mode (PipeSD), services/dispatcher/spec_mode.py."""
+    """Speculative mode (PipeSD), services/dispatcher/spec/."""
     policy: str = setting("pipesd", f"policy of a request that names none: {' | '.join(POLICIES)}")
     lookahead: int = setting(96, "drafter may run this many tokens past the committed prefix", ge=1)
     r1: float = setting(0.90, "dual-threshold R1 (cumulative) before/without tuning", gt=0, le=1)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from common import protocol
 from services.dispatcher.cloud_only import CloudOnly
-from services.dispatcher.spec_mode import Spec
+from services.dispatcher.spec.mode import Spec
 from services.dispatcher.split_mode import Split
 
 if TYPE_CHECKING:

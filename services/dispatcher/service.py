@@ -4,7 +4,7 @@ and streams tokens back as they are committed.
 Each mode is a `Mode` (services/dispatcher/modes.py: `validate` before admission, `run` for one
 request):
 * cloud-only  services/dispatcher/cloud_only.py  target autoregressive in the cloud
-* spec        services/dispatcher/spec_mode.py   PipeSD speculative decoding
+* spec        services/dispatcher/spec/mode.py   PipeSD speculative decoding
 * split       services/dispatcher/split_mode.py  DySCo split computing
 `mode="auto"` chooses one of them per request (services/dispatcher/auto_mode.py) and the request
 is admitted as that mode.

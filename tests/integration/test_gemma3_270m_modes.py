@@ -12,7 +12,7 @@ import torch
 
 from common import models
 from stack.launcher import Cluster
-from services.dispatcher.spec_session import POLICIES
+from services.dispatcher.spec.session import POLICIES
 from tests.conftest import NEAR_TIE, PROMPTS
 
 N_TOKENS = 16

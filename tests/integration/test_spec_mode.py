@@ -1,6 +1,6 @@
 """Speculative mode end to end.
 
-1. Without models: the dispatcher's round machine (spec_session.SpecRounds) wired to the
+1. Without models: the dispatcher's round machine (spec/session.SpecRounds) wired to the
    verifier's session (verifier/spec.SpecSession) and a fake drafter through message queues
    delivered in random order (per-link FIFO, as ZMQ keeps it), with resent batches / NAVs,
    forwards overlapping message handling, and a drafter that dies. The fake target is a fixed
@@ -25,10 +25,10 @@ import torch
 from common import protocol
 from stack.launcher import Cluster
 from common.protocol import Sampling
-from services.dispatcher import spec_session as ss
-from services.dispatcher.dp_batching import BatchPlanner
-from services.dispatcher.learned_trigger import AcceptanceModel, LearnedTrigger
-from services.dispatcher.nav_trigger import DraftWindow, NavConfig, make_trigger
+from services.dispatcher.spec import session as ss
+from services.dispatcher.spec.dp_batching import BatchPlanner
+from services.dispatcher.spec.learned_trigger import AcceptanceModel, LearnedTrigger
+from services.dispatcher.spec.nav_trigger import DraftWindow, NavConfig, make_trigger
 from services.verifier.spec import SpecSession
 from tests.conftest import PROMPTS, forwards_over_one_session, long_prompt
 from tests.unit.test_spec_verify import V, FakeKV, target_greedy, target_logits

@@ -8,7 +8,7 @@ import pytest
 from services.dispatcher import auto_policy as ap
 from services.dispatcher.auto_policy import CLOUD_ONLY, Candidate, Estimates, Link
 from services.dispatcher.config import AutoConfig
-from services.dispatcher.dp_batching import plan_batches_with_time
+from services.dispatcher.spec.dp_batching import plan_batches_with_time
 
 PIPESD = Candidate("spec", policy="pipesd")
 SPLIT4 = Candidate("split", cut=4)

@@ -1,4 +1,4 @@
-"""The `pipesd-learned` trigger (services/dispatcher/learned_trigger.py): its
+"""The `pipesd-learned` trigger (services/dispatcher/spec/learned_trigger.py): its
 online model learns a synthetic acceptance law and follows it when the law changes, and its
 stopping rule lengthens rounds when the link's round trip grows (the WAN emulator's schedule
 drives the RTT) and shortens them when it recovers, close to the best fixed draft length of
@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from stack.wan import Schedule, Step
-from services.dispatcher.learned_trigger import (REASON_LEARNED, AcceptanceModel,
-                                                 LearnedConfig, LearnedTrigger, features)
-from services.dispatcher.spec_mode import POLICY_KNOBS
-from services.dispatcher.spec_session import POLICIES
+from services.dispatcher.spec.learned_trigger import (REASON_LEARNED, AcceptanceModel,
+                                                      LearnedConfig, LearnedTrigger, features)
+from services.dispatcher.spec.mode import POLICY_KNOBS
+from services.dispatcher.spec.session import POLICIES
 
 
 def _sigmoid(z):

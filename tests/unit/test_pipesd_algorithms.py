@@ -14,14 +14,14 @@ import time
 import numpy as np
 import pytest
 
-from services.dispatcher.bo_tuner import (
+from services.dispatcher.spec.bo_tuner import (
     BOConfig, BOTuner, DEFAULT_R1, DEFAULT_R2, bo_search, grid_search, random_search,
 )
-from services.dispatcher.dp_batching import (
+from services.dispatcher.spec.dp_batching import (
     BatchPlanner, PlannerConfig, pipeline_time, plan_batches, plan_batches_with_time,
 )
-from services.dispatcher.link_model import DraftSpeed, DraftSpeedConfig, LinkModel, LinkModelConfig
-from services.dispatcher.nav_trigger import (
+from services.dispatcher.spec.link_model import DraftSpeed, DraftSpeedConfig, LinkModel, LinkModelConfig
+from services.dispatcher.spec.nav_trigger import (
     REASONS, CumulativeTrigger, DraftWindow, DualThresholdTrigger, FixedLengthTrigger, NavConfig,
     OracleTrigger, SingleThresholdTrigger, make_trigger,
 )

@@ -11,8 +11,8 @@ import pytest
 
 from common import protocol
 from common.protocol import ProtocolError
-from services.dispatcher.spec_mode import check_knobs
-from services.dispatcher.spec_session import POLICIES
+from services.dispatcher.spec.mode import check_knobs
+from services.dispatcher.spec.session import POLICIES
 
 
 @pytest.mark.parametrize("policy,knobs", [("pipesd", {"r1": 0.5, "r2": 0.9}), ("hsl", {"r2": 0.7}),

@@ -85,13 +85,19 @@ def test_a_recoverable_failure_with_time_left_allows_a_replay():
     assert e.value.code == protocol.BAD_FIELD
 
 
-# --- spec mode's replay loop (SpecRun.recover) ------------------------------------------------
+# --- spec mode's replay loop (VerifierLink.recover) -------------------------------------------
 def _spec_recover(req: FakeRequest, replay) -> PeerError:
-    """SpecRun.recover on its own: `replay` stands in for rebuilding the verifier session."""
-    from services.dispatcher.spec_mode import SpecRun
-    run = SimpleNamespace(rec=Recovery(req, [], "verifier"), replay_verifier=replay)
+    """VerifierLink.recover on its own: `replay` stands in for rebuilding the verifier
+    session."""
+    from services.dispatcher.spec.verifier_link import VerifierLink
+
+    async def replayed():
+        pass
+
+    link = SimpleNamespace(rec=Recovery(req, [], "verifier"), replay=replay)
     with pytest.raises(PeerError) as e:
-        asyncio.run(SpecRun.recover(run, PeerError(protocol.UNAVAILABLE, "verifier down")))
+        asyncio.run(VerifierLink.recover(link, PeerError(protocol.UNAVAILABLE, "verifier down"),
+                                         replayed))
     return e.value
 
 

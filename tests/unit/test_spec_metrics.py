@@ -62,7 +62,7 @@ def test_bench_rows_carry_accepted_tokens_per_round():
 
 def test_a_tree_round_reports_its_width_per_depth():
     """The dispatcher's tree rounds hand the metrics each depth's node count, not a chain's."""
-    from services.dispatcher.tree_session import _width_per_depth
+    from services.dispatcher.spec.tree_session import _width_per_depth
     assert _width_per_depth([-1, -1, 0, 0, 1, 2]) == [2, 3, 1]
     assert _width_per_depth([-1, 0, 1]) == [1, 1, 1]      # a chain-shaped tree
     assert _width_per_depth([]) == []

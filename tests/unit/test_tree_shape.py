@@ -1,6 +1,6 @@
 """Token trees, the pure parts: the shape rule (common/tree_shape.py), the online
-inputs it gets (services/dispatcher/tree_policy.py) and a session's tree rounds on the
-dispatcher (services/dispatcher/tree_session.py)."""
+inputs it gets (services/dispatcher/spec/tree_policy.py) and a session's tree rounds on the
+dispatcher (services/dispatcher/spec/tree_session.py)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import pytest
 
 from common import protocol
 from common.tree_shape import ROOT, Shape, check_parents, grow
-from services.dispatcher.spec_session import (POLICIES, Draft, Emit, Limit, Rollback, SendBatch,
+from services.dispatcher.spec.session import (POLICIES, Draft, Emit, Limit, Rollback, SendBatch,
                                               SendNav, SpecError)
-from services.dispatcher.tree_policy import TreePolicy, TreePolicyConfig, depths, ranks
-from services.dispatcher.tree_session import AskTree, TreeRounds
+from services.dispatcher.spec.tree_policy import TreePolicy, TreePolicyConfig, depths, ranks
+from services.dispatcher.spec.tree_session import AskTree, TreeRounds
 
 
 def flat(qs):
@@ -282,7 +282,7 @@ def test_a_proactive_chain_is_discarded_otherwise():
 
 
 def test_a_trigger_ends_the_proactive_chain_at_an_unsure_draft():
-    from services.dispatcher.nav_trigger import NavConfig, make_trigger
+    from services.dispatcher.spec.nav_trigger import NavConfig, make_trigger
     tp = TreePolicy()
     sm = TreeRounds(10, 20, POLICIES["tree"], tp, lambda left: tp.request(0.05, 0, 0.005, left),
                     proactive=8, batch=8,

@@ -1,5 +1,5 @@
 """What a token-tree round may cost and gain, from what the dispatcher measures online. Pure: no
-I/O, no clock; spec_mode.py feeds it measurements.
+I/O, no clock; tree_run.TreeRun feeds it measurements.
 
 The drafter grows the tree (common/tree_shape.py: best-first by estimated path-acceptance
 probability P, a node added while P × token_value_s pays its marginal cost); this module gives
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from common import protocol
 from common.tree_shape import ROOT
-from services.dispatcher.link_model import _nonneg_least_squares
+from services.dispatcher.spec.link_model import _nonneg_least_squares
 
 __all__ = ["TreePolicyConfig", "TreePolicy", "ranks"]
 

@@ -1,6 +1,7 @@
 """One speculative session's round bookkeeping on the dispatcher (DESIGN.md §3). Pure: no I/O,
-no clock. spec_mode.py feeds it drafter tokens and verifier results and carries out the actions
-it returns (send a batch, send a NAV, emit tokens, roll the drafter back, raise its limit).
+no clock. The session (chain_run.ChainRun) feeds it drafter tokens and verifier results and
+carries out the actions it returns (send a batch, send a NAV, emit tokens, roll the drafter back,
+raise its limit).
 
 Positions are absolute (prompt included). C = committed tokens. `drafts` holds the drafter's
 tokens at positions C, C+1, ... of its current epoch. Rounds cover consecutive positions:
@@ -33,8 +34,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from services.dispatcher.dp_batching import BatchPlanner
-from services.dispatcher.nav_trigger import NavTrigger
+from services.dispatcher.spec.dp_batching import BatchPlanner
+from services.dispatcher.spec.nav_trigger import NavTrigger
 
 
 class SpecError(RuntimeError):
@@ -70,7 +71,7 @@ POLICIES = {
     "tree-stream": Policy("tree-stream", "tree", dp=True, proactive=True, stream=True, bo=False,
                           tree=True),
     # PipeSD with the dual threshold replaced by an online acceptance model and a stopping rule
-    # priced by the link model (services/dispatcher/learned_trigger.py); it tunes itself, so the
+    # priced by the link model (services/dispatcher/spec/learned_trigger.py); it tunes itself, so the
     # (R1, R2) autotuner has nothing to move (its knob k goes through bench/tuning.py's BO)
     "pipesd-learned": Policy("pipesd-learned", "pipesd-learned", dp=True, proactive=True,
                              stream=False, bo=False),

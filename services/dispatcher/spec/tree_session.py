@@ -1,6 +1,6 @@
 """One speculative session's token-tree rounds on the dispatcher (policies `tree` and
-`tree-stream`). Pure: no I/O, no clock; the counterpart of spec_session.SpecRounds for trees,
-with the same actions and the same face to spec_mode.SpecRun.
+`tree-stream`). Pure: no I/O, no clock; the counterpart of session.SpecRounds for trees,
+with the same actions and the same face to the session (tree_run.TreeRun).
 
 A round: ask the drafter for a tree rooted at the committed prefix (AskTree, with the shape rule
 from tree_policy.TreePolicy), forward each depth's nodes to the verifier as they arrive (one
@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 
 from common import protocol, tree
 from common.tree_shape import ROOT, check_parents
-from services.dispatcher.dp_batching import BatchPlanner
-from services.dispatcher.nav_trigger import DraftWindow, NavTrigger
-from services.dispatcher.spec_session import (Draft, Emit, Hooks, Limit, Rollback, SendBatch,
+from services.dispatcher.spec.dp_batching import BatchPlanner
+from services.dispatcher.spec.nav_trigger import DraftWindow, NavTrigger
+from services.dispatcher.spec.session import (Draft, Emit, Hooks, Limit, Rollback, SendBatch,
                                               SendNav, SpecError, Stats)
-from services.dispatcher.tree_policy import TreePolicy
+from services.dispatcher.spec.tree_policy import TreePolicy
 
 
 @dataclass
@@ -311,7 +311,7 @@ class TreeRounds:
 
     def edge_only(self) -> list:
         """The cloud is gone: the drafter goes back to the committed tokens and drafts a chain
-        from there (spec_mode's degraded stream)."""
+        from there (speculative mode's degraded stream)."""
         self.rounds = []
         self.epoch += 1
         return [Rollback(self.epoch, self.C, [], self.final)]

@@ -103,7 +103,7 @@ class NavTrigger:
 
     def context(self, entropy: float | None, margin: float | None) -> None:
         """The drafter's entropy and top-2 margin at the token observe() gets next (the learned
-        trigger's features, services/dispatcher/learned_trigger.py); the others ignore them."""
+        trigger's features, services/dispatcher/spec/learned_trigger.py); the others ignore them."""
 
     def round_closed(self) -> None:
         """The dispatcher closed the current round itself (its length cap, the drafter paused or

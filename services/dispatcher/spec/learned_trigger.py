@@ -52,7 +52,7 @@ from typing import Callable
 
 import numpy as np
 
-from services.dispatcher.nav_trigger import NavTrigger, _check_p
+from services.dispatcher.spec.nav_trigger import NavTrigger, _check_p
 
 __all__ = ["REASON_LEARNED", "FEATURES", "LearnedConfig", "AcceptanceModel", "LearnedTrigger",
            "features"]
