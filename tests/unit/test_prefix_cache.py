@@ -1,4 +1,4 @@
-"""The verifier's prefix cache and KV budget (services/verifier/prefix_cache.py): what is matched,
+"""The verifier's prefix cache and KV budget (common/prefix_cache.py): what is matched,
 kept, evicted and refused (on a toy cache), that reused rows give the logits a full prefill gives
 bit for bit (the real runner), and through the in-process stack that a later turn reuses an
 earlier turn's prompt and answer with output unchanged and equal to transformers', in cloud-only
@@ -12,15 +12,16 @@ import torch
 from common import protocol
 from common.protocol import ProtocolError
 from common.runner import SessionKV
-from services.verifier.prefix_cache import PrefixCache
+from common.prefix_cache import PrefixCache
 
 
 class ToyRunner:
     """The shape of a runner, for the cache's bookkeeping: 2 layers of 1 x 8 K/V (128 B a row)."""
     num_layers, kv_heads, head_dim, dtype = 2, 1, 8, torch.float32
+    lo, hi = 0, 2
 
-    def new_kv(self):
-        return SessionKV(0, 2, 1, 8, torch.float32)
+    def new_kv(self, lo=0, hi=2):
+        return SessionKV(lo, hi, 1, 8, torch.float32)
 
 
 ROW = 128
