@@ -166,6 +166,7 @@ class Pong(Msg, tag="pong"):
     # this run of the service (random per process start): a client that sees it change knows its
     # requests in flight died with the previous run (the SDK resumes them, tandem/link.py)
     instance: Annotated[str, msgspec.Meta(max_length=64)] = ""
+    prefix_cache: bool = False   # it keeps finished sessions' KV rows for reuse (split mode asks)
 
 
 class Error(Msg, tag="error"):

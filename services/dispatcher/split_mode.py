@@ -89,14 +89,15 @@ async def run(req) -> None:
                      wire_s=max(0.0, total - times["edge"] - times["cloud"] - times["queued"]))
 
 
-async def _open(req, cut, times, rec: recovery.Recovery, pre, suf):
+async def _open(req, cut, times, rec: recovery.Recovery, pre, suf, suffix):
     """Open the prefix and suffix sessions on the committed tokens: (the first SuffixToken, the
     prompt rows both took from their prefix caches). The prefix reuses what it holds; a suffix
     that holds fewer of those rows says how many, and the prefix session is reopened to reuse no
-    more than that (each retry reuses fewer rows, so this ends: with none, any suffix takes it)."""
+    more than that (each retry reuses fewer rows, so this ends: with none, any suffix takes it).
+    A suffix that keeps no rows (its heartbeat says so, or has not yet) is not asked to reuse any."""
     sid, prompt = rec.sid, rec.committed()
     max_tokens = req.max_tokens - len(req.tokens)
-    max_cached = None
+    max_cached = None if suffix.load is not None and suffix.load.prefix_cache else 0
     while True:
         await pre.send(protocol.PrefixOpen(sid=sid, seq=0, cut=cut, token_ids=prompt,
                                            max_tokens=max_tokens, max_cached=max_cached))
@@ -116,7 +117,7 @@ async def _open(req, cut, times, rec: recovery.Recovery, pre, suf):
             times["queued"] += reply.queued
             return reply, hidden.start
         if reply.cached_tokens >= hidden.start:
-            raise ProtocolError(protocol.INTERNAL, f"suffix {suf.peer.name}: refused to reuse "
+            raise ProtocolError(protocol.INTERNAL, f"suffix {suffix.name}: refused to reuse "
                                 f"{hidden.start} rows while holding {reply.cached_tokens}")
         max_cached = reply.cached_tokens
         await pre.send(protocol.Close(sid=sid, seq=1))
@@ -129,7 +130,7 @@ async def _session(req, cut, times, t0, rec: recovery.Recovery, suffix) -> None:
     d, sid = req.d, rec.sid
     pre, suf = d.prefix.channel(), suffix.channel()
     try:
-        tok, cached = await _open(req, cut, times, rec, pre, suf)
+        tok, cached = await _open(req, cut, times, rec, pre, suf, suffix)
         req.stats.setdefault("cached_tokens", cached)
         req.stats.setdefault("prefill_s", time.monotonic() - t0)
         seq = 0
