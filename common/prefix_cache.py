@@ -135,7 +135,7 @@ class PrefixCache:
                 f"{self.service} KV budget full: live sessions hold {live_bytes} of "
                 f"{self.budget} bytes and this one needs {need_bytes}; retry when a session "
                 f"ends (in about a second)")
-        key, hit = self.match(prompt, space)
+        key, hit = self.match(prompt, space) if reuse != 0 else (None, 0)
         hit = hit if reuse is None else min(hit, reuse)
         if hit < need:
             return None, hit
