@@ -91,6 +91,16 @@ class ModelServiceConfig(ServiceConfig):
         "float32", "compute dtype (float16 and bfloat16 on a GPU)")
     device: str = setting(
         "cpu", "cpu | cuda | cuda:N — weights and KV caches there (an error if torch has no such GPU)")
+    # the KV budget and prefix cache (common/prefix_cache.py)
+    kv_budget_bytes: int = setting(
+        0, "bytes of KV cache for live sessions and cached prefixes together; a session that "
+        "cannot fit is refused with busy; 0 = half the memory left after the weights load", ge=0)
+    prefix_cache: bool = setting(
+        True, "keep finished sessions' KV (prompt + output) and reuse it for prompts that start "
+        "with the same tokens (exact: only where the runner's rows do not depend on chunking)")
+    kv_reserve_tokens: int = setting(
+        1024, "KV rows a session reserves past its prompt when its open does not say how many "
+        "tokens it may generate", ge=1)
 
 
 # Default ports: ZMQ endpoint and HTTP (metrics) port of each service.

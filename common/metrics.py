@@ -241,16 +241,23 @@ def declare_drafter(service: str) -> None:
         PROMPT_CACHE.labels(service, outcome)
 
 
-def declare_verifier(service: str) -> None:
-    EARLY_REJECTS.labels(service)
+def declare_kv(service: str) -> None:
+    """The KV budget and prefix cache series of a service holding one (common/prefix_cache.py)."""
+    KV_BYTES.labels(service)
     KV_CACHED.labels(service)
     KV_EVICTIONS.labels(service)
     for outcome in ("hit", "miss"):
         PROMPT_CACHE.labels(service, outcome)
+
+
+def declare_verifier(service: str) -> None:
+    EARLY_REJECTS.labels(service)
+    declare_kv(service)
     declare_forward(service, ("prefill", "decode", "verify"))
 
 
 def declare_suffix(service: str, scheduler: str) -> None:
+    declare_kv(service)
     declare_forward(service, ("private", "shared"), ("step",))
     for h in (SPLIT_WINDOW_SIZE, SPLIT_WINDOW_DEPTH, SPLIT_CALLS_PER_STEP, SPLIT_IDLE_GAP):
         h.labels(service, scheduler)

@@ -166,6 +166,7 @@ class Pong(Msg, tag="pong"):
     # this run of the service (random per process start): a client that sees it change knows its
     # requests in flight died with the previous run (the SDK resumes them, tandem/link.py)
     instance: Annotated[str, msgspec.Meta(max_length=64)] = ""
+    prefix_cache: bool = False   # it keeps finished sessions' KV rows for reuse (split mode asks)
 
 
 class Error(Msg, tag="error"):
@@ -175,7 +176,10 @@ class Error(Msg, tag="error"):
 
 
 class Ack(Msg, tag="ack"):
-    cached_tokens: Size = 0   # a SpecOpen's Ack: prompt tokens whose KV the prefix cache held
+    cached_tokens: Size = 0
+    # ^ a SpecOpen's Ack: prompt tokens whose KV the prefix cache held; a SuffixOpen's Ack (in
+    #   place of its SuffixToken): the suffix holds only this many of the `start` rows the open
+    #   asked it to reuse, and opened nothing (split mode, below)
 
 
 class Close(Msg, tag="close"):
@@ -444,9 +448,21 @@ class DraftRollback(Msg, tag="draft_rollback"):
 
 
 # --- dispatcher <-> prefix / suffix: split mode ---------------------------------------------
+# Prefix caching. The prefix and the suffix each keep finished sessions' rows (common/
+# prefix_cache.py) and the edge decides how many a new session reuses: the prefix reuses the
+# longest cached prefix of its prompt (at most `max_cached` rows) and sends the hidden states of
+# the rest only (`Hidden.start` = the rows it reused). The SuffixOpen then asks the suffix to reuse
+# exactly `start` rows of its own cache for that cut, fed by that prefix (`source`), and prefill
+# the hidden states that follow. A suffix holding fewer answers Ack(cached_tokens=its rows) and
+# opens nothing; the dispatcher then reopens the prefix session with max_cached = that many and
+# opens the suffix again. Both sides so reuse the same rows and compute the same rest.
+
+
 class PrefixOpen(Msg, tag="prefix_open"):
     cut: Annotated[int, msgspec.Meta(ge=1, le=MAX_ID)]
     token_ids: list[TokenId]
+    max_tokens: Size = 0   # tokens the session may generate, for the KV reservation (0: unknown)
+    max_cached: Size | None = None   # most cached rows to reuse; None = all the cache holds
 
 
 class PrefixStep(Msg, tag="prefix_step"):
@@ -459,12 +475,21 @@ class Hidden(Msg, tag="hidden"):
     start: Size
     hidden: TensorRef
     seconds: Seconds = 0.0  # edge compute time of the step that produced it (latency breakdown)
+    source: Annotated[str, msgspec.Meta(max_length=64)] = ""
+    # ^ the prefix process that computed it (its instance): what the suffix's cached rows of it
+    #   are keyed by
 
 
 class SuffixOpen(Msg, tag="suffix_open"):
+    """`hidden` holds the prompt's cut-layer states from position `start` on; the suffix's prefix
+    cache holds the first `start` rows (see Prefix caching above). `token_ids`: the whole prompt,
+    what cached rows are matched and kept by; without it nothing is cached and `start` is 0."""
     cut: Annotated[int, msgspec.Meta(ge=1, le=MAX_ID)]
     start: Size
     hidden: TensorRef
+    token_ids: list[TokenId] = msgspec.field(default_factory=list)
+    max_tokens: Size = 0   # tokens the session may generate, for the KV reservation (0: unknown)
+    source: Annotated[str, msgspec.Meta(max_length=64)] = ""   # Hidden.source of `hidden`
     sampling: Sampling = msgspec.field(default_factory=Sampling)
     logprobs: TopLogprobs | None = None   # every SuffixToken carries its TokenLogprob
     constraint: Constraint | None = None   # the output is constrained (common/constraint.py)

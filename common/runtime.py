@@ -202,6 +202,7 @@ class Service:
         self.drained: asyncio.Event | None = None   # set when a drain has finished (serve())
         self._routes: dict[str, tuple[bytes, int]] = {}   # session id -> (identity, rid) last used
         self.instance = uuid.uuid4().hex[:16]   # this run: in every Pong (a restart changes it)
+        self.kv_cache = None   # a model service's KV budget and prefix cache (common/prefix_cache.py)
         self.route(protocol.Ping, self._on_ping)
 
     # --- for subclasses -----------------------------------------------------------------------
@@ -417,7 +418,9 @@ class Service:
                                              ready=not self.not_ready_reason(),
                                              sessions=sessions, queued_tokens=queued,
                                              kv_bytes=kv, admitting=not self.draining,
-                                             instance=self.instance))
+                                             instance=self.instance,
+                                             prefix_cache=bool(self.kv_cache
+                                                               and self.kv_cache.enabled)))
 
     async def _dispatch(self, ident: bytes, frames: list) -> None:
         try:

@@ -59,8 +59,9 @@ class Stats(Mapping):
     tpt_s: float | None = None
     """Time per token: `duration_s / generated_tokens` (PipeSD's headline figure)."""
     cached_tokens: int = 0
-    """Prompt tokens whose KV the cloud's prefix cache held, so their prefill was skipped
-    (cloud-only and speculative modes; OpenAI's `usage.prompt_tokens_details.cached_tokens`)."""
+    """Prompt tokens whose KV the prefix cache held, so their prefill was skipped: the
+    verifier's (cloud-only and speculative modes), or in split mode the rows both the edge
+    prefix and the cloud suffix reused (OpenAI's `usage.prompt_tokens_details.cached_tokens`)."""
     cloud_forwards_per_token: float | None = None
     """Forward passes of the cloud target per emitted token: 1.0 in cloud-only mode, under 1 when
     speculation accepts drafts; None in split mode."""

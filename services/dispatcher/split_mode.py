@@ -4,6 +4,13 @@ chooses the token. The dispatcher owns the loop:
     PrefixOpen(prompt) -> Hidden -> SuffixOpen -> SuffixToken
     token -> client; PrefixStep(token) -> Hidden -> SuffixStep -> SuffixToken; ...
 
+Prefix caching (common/protocol.py): both sides keep finished sessions' rows, and a new
+session's prompt that starts with cached tokens (a chat's next turn) reuses them: the prefix
+reuses what it holds and sends the hidden states of the rest only (Hidden.start = the rows it
+reused), and the suffix reuses as many. A suffix holding fewer answers with how many it holds;
+the prefix session is then reopened to reuse no more than that (`_open`). The rows both reused
+are the request's `cached_tokens`.
+
 The cut-layer hidden state goes from the prefix's reply to the suffix as the same raw frame (no
 decode, no copy). Both sessions are closed at the end, whatever ended it. A peer that disappears
 (the heartbeat notices within peer_timeout_s) or loses a message (silence for stall_s) gets the
@@ -82,25 +89,49 @@ async def run(req) -> None:
                      wire_s=max(0.0, total - times["edge"] - times["cloud"] - times["queued"]))
 
 
+async def _open(req, cut, times, rec: recovery.Recovery, pre, suf, suffix):
+    """Open the prefix and suffix sessions on the committed tokens: (the first SuffixToken, the
+    prompt rows both took from their prefix caches). The prefix reuses what it holds; a suffix
+    that holds fewer of those rows says how many, and the prefix session is reopened to reuse no
+    more than that (each retry reuses fewer rows, so this ends: with none, any suffix takes it).
+    A suffix that keeps no rows (its heartbeat says so, or has not yet) is not asked to reuse any."""
+    sid, prompt = rec.sid, rec.committed()
+    max_tokens = req.max_tokens - len(req.tokens)
+    max_cached = None if suffix.load is not None and suffix.load.prefix_cache else 0
+    while True:
+        await pre.send(protocol.PrefixOpen(sid=sid, seq=0, cut=cut, token_ids=prompt,
+                                           max_tokens=max_tokens, max_cached=max_cached))
+        hidden, frames = await _reply(pre, protocol.Hidden, rec)
+        times["edge"] += hidden.seconds
+        await suf.send(protocol.SuffixOpen(sid=sid, seq=0, cut=cut, start=hidden.start,
+                                           hidden=hidden.hidden, token_ids=prompt,
+                                           max_tokens=max_tokens, source=hidden.source,
+                                           sampling=req.sampling, logprobs=req.msg.logprobs,
+                                           constraint=req.msg.constraint,
+                                           output=prompt[len(req.prompt_ids):]
+                                           if req.msg.constraint is not None else []),
+                       frames[1:])
+        reply, _ = await _reply(suf, (protocol.SuffixToken, protocol.Ack), rec)
+        if isinstance(reply, protocol.SuffixToken):
+            times["cloud"] += reply.seconds
+            times["queued"] += reply.queued
+            return reply, hidden.start
+        if reply.cached_tokens >= hidden.start:
+            raise ProtocolError(protocol.INTERNAL, f"suffix {suffix.name}: refused to reuse "
+                                f"{hidden.start} rows while holding {reply.cached_tokens}")
+        max_cached = reply.cached_tokens
+        await pre.send(protocol.Close(sid=sid, seq=1))
+        await _reply(pre, protocol.Ack, rec)
+
+
 async def _session(req, cut, times, t0, rec: recovery.Recovery, suffix) -> None:
     """One prefix + suffix session pair, from the stream's current end (a replay prefills every
     committed token on both sides)."""
     d, sid = req.d, rec.sid
     pre, suf = d.prefix.channel(), suffix.channel()
     try:
-        await pre.send(protocol.PrefixOpen(sid=sid, seq=0, cut=cut, token_ids=rec.committed()))
-        hidden, frames = await _reply(pre, protocol.Hidden, rec)
-        times["edge"] += hidden.seconds
-        await suf.send(protocol.SuffixOpen(sid=sid, seq=0, cut=cut, start=0,
-                                           hidden=hidden.hidden, sampling=req.sampling,
-                                           logprobs=req.msg.logprobs,
-                                           constraint=req.msg.constraint,
-                                           output=rec.committed()[len(req.prompt_ids):]
-                                           if req.msg.constraint is not None else []),
-                       frames[1:])
-        tok, _ = await _reply(suf, protocol.SuffixToken, rec)
-        times["cloud"] += tok.seconds
-        times["queued"] += tok.queued
+        tok, cached = await _open(req, cut, times, rec, pre, suf, suffix)
+        req.stats.setdefault("cached_tokens", cached)
         req.stats.setdefault("prefill_s", time.monotonic() - t0)
         seq = 0
         while True:

@@ -5,6 +5,13 @@ Per session: the cut, fixed at open, and the KV cache of layers [0, c). PrefixOp
 prompt through [0, c); each PrefixStep runs one new token through [0, c). Both answer with the
 cut-layer hidden states (`Hidden`), in `wire_dtype` on the wire.
 
+KV memory (common/prefix_cache.py): a session reserves the rows of layers [0, c) its prompt and
+max_tokens may grow to within `kv_budget_bytes` (`busy` when it cannot fit, `too_large` for a
+prompt over the whole budget). When it ends, the rows of its tokens stay cached for its cut; a
+new session at that cut whose prompt starts with them (a chat's next turn) reuses them, at most
+`max_cached` of them, and computes and sends the hidden states of the rest only: `Hidden.start`
+says how many it reused (the suffix reuses as many, common/protocol.py "Prefix caching").
+
 Steps of all sessions that are waiting run as one batched pass (`run_prefixes`): every session
 starts at layer 0 and leaves the ragged batch at its own cut, so layer l runs once for all
 sessions deeper than l.
@@ -25,7 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from common import metrics, protocol
+from common import metrics, prefix_cache, protocol
+from common.prefix_cache import PrefixCache
 from common.protocol import Msg, ProtocolError
 from common.runner import Segment
 from common.runtime import Service, Session, check_token_ids
@@ -53,10 +61,12 @@ def run_prefixes(runner, items: list[tuple[object, torch.Tensor, int]]) -> list[
 
 
 class PrefixSession(Session):
-    def __init__(self, sid: str, seq: int, cut: int, kv):
+    def __init__(self, sid: str, seq: int, cut: int, kv, tokens: list[int]):
         super().__init__(sid, seq=seq)
         self.cut = cut
         self.kv = kv
+        self.tokens = tokens   # the ids whose rows the KV holds (its prefix cache entry at the end)
+        self.failed = False    # ended on a bug: its rows are not cached
 
 
 @dataclass
@@ -64,6 +74,7 @@ class Work:
     session: PrefixSession
     x: torch.Tensor       # token ids
     start: int            # position of the first token
+    ids: list[int]        # x as a list: appended to the session's tokens once computed
     ident: bytes
     msg: Msg
 
@@ -75,6 +86,7 @@ class Prefix(Service):
         super().__init__(cfg, ctx)
         self.cfg: PrefixConfig = cfg
         self.runner = None
+        self.kv_cache: PrefixCache | None = None
         self.queue: list[Work] = []
         self.wakeup = asyncio.Event()
         self.route(protocol.PrefixOpen, self.on_open)
@@ -99,6 +111,9 @@ class Prefix(Service):
             device=self.cfg.device)
         self.log.info("prefix %s: layers [0, %d) of %d, wire %s", path, self.c_max, L, self.wire)
         metrics.declare_forward(self.name, ("prefill", "decode"))
+        metrics.declare_kv(self.name)
+        self.kv_cache = prefix_cache.for_service(self.runner, self.cfg, self.name)
+        self.log.info(prefix_cache.describe(self.kv_cache, self.cfg))
         self.spawn_loop("step", self.loop())
 
     # --- requests -------------------------------------------------------------------------------
@@ -112,9 +127,14 @@ class Prefix(Service):
         if not 1 <= msg.cut <= self.c_max:
             raise ProtocolError(protocol.BAD_FIELD, f"cut {msg.cut} outside [1, {self.c_max}]: "
                                 f"this prefix holds layers [0, {self.c_max})", field="cut")
-        s = PrefixSession(msg.sid, msg.seq, msg.cut, self.runner.new_kv(0, msg.cut))
+        prompt = list(msg.token_ids)
+        kv, hit = self.kv_cache.open(prompt, msg.max_tokens or self.cfg.kv_reserve_tokens,
+                                     self.live_bytes(), self.kv_cache.space(0, msg.cut),
+                                     reuse=msg.max_cached)
+        s = PrefixSession(msg.sid, msg.seq, msg.cut, kv, prompt[:hit])
         self.sessions.add(s)
-        self.enqueue(ident, s, msg, msg.token_ids)
+        self.report_kv()
+        self.enqueue(ident, s, msg, prompt[hit:])
 
     async def on_step(self, ident: bytes, msg: protocol.PrefixStep, frames) -> None:
         s = await self.next_step(ident, msg)
@@ -125,8 +145,23 @@ class Prefix(Service):
 
     def enqueue(self, ident: bytes, s: PrefixSession, msg: Msg, ids: list[int]) -> None:
         s.seq, s.busy, s.reply = msg.seq, True, None
-        self.queue.append(Work(s, torch.tensor(ids, dtype=torch.long), s.kv.length(), ident, msg))
+        self.queue.append(Work(s, torch.tensor(ids, dtype=torch.long), s.kv.length(), list(ids),
+                               ident, msg))
         self.wakeup.set()
+
+    def live_bytes(self) -> int:
+        return sum(s.kv.nbytes() for s in self.sessions.values())
+
+    def report_kv(self) -> None:
+        metrics.KV_BYTES.labels(self.name).set(self.live_bytes() + self.kv_cache.cached_bytes)
+
+    def session_dropped(self, s: PrefixSession) -> None:
+        """A session ended: the rows of its tokens go to the prefix cache, for its cut, unless
+        it ended on a bug (its state may be half-updated)."""
+        if not s.failed:
+            self.kv_cache.put(s.tokens, s.kv, len(s.tokens))
+            self.kv_cache.fit(self.live_bytes())
+        self.report_kv()
 
     # --- the step loop --------------------------------------------------------------------------
     def step(self, batch: list[Work]) -> list[tuple[torch.Tensor, float]]:
@@ -169,16 +204,19 @@ class Prefix(Service):
             for w, out in zip(batch, outs):
                 s = w.session
                 if isinstance(out, Exception):
+                    s.failed = True
                     await self.fail_session(w.ident, w.msg, "forward", out)
                     continue
+                s.tokens += w.ids
                 h, dt = out
                 ref, buf = protocol.tensor_frame(h, 0)
                 reply = protocol.Hidden(sid=s.sid, seq=w.msg.seq, rid=w.msg.rid, cut=s.cut,
-                                        start=w.start, hidden=ref, seconds=dt)
+                                        start=w.start, hidden=ref, seconds=dt,
+                                        source=self.instance)
                 s.reply, s.busy = (reply, [buf]), False
                 if not s.closed:
                     await self.send(w.ident, reply, [buf])
-            metrics.KV_BYTES.labels(self.name).set(sum(s.kv.nbytes() for s in self.sessions.values()))
+            self.report_kv()
             await asyncio.sleep(0)
 
 

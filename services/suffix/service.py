@@ -5,6 +5,16 @@ Per session: the cut (fixed at open), sampling, and the KV cache of layers [c, L
 SuffixOpen prefills from the hidden sequence of the prompt and answers the first token;
 each SuffixStep carries one hidden state and is answered with the next token (`SuffixToken`).
 
+KV memory (common/prefix_cache.py): a session reserves the rows of layers [c, L) its prompt and
+max_tokens may grow to within `kv_budget_bytes` (`busy` when it cannot fit, `too_large` for a
+prompt over the whole budget). When it ends, the rows of its tokens (the prompt's ids come in
+SuffixOpen.token_ids, the rest are the tokens it chose) stay cached, keyed by its cut and by the
+prefix and dtype its hidden states came from. SuffixOpen.start asks it to reuse that many of them
+and prefill only the hidden states that follow; when it holds fewer it answers
+Ack(cached_tokens=what it holds) and opens nothing (common/protocol.py "Prefix caching"). Rows
+are cached only where they are exact: the runner's kernels are chunk-invariant and decode calls
+run ragged (a padded call, `paper_padding`, computes attention over another layout).
+
 Ready steps (prefills too, so sessions that arrive together prefill in one batch) gather into
 windows (window.py: `window_ms` / `max_size`; fifo and interleave take one step per window;
 with `early_close` a window also closes as soon as every open session is in it). Windows form
@@ -23,7 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
-from common import constraint, metrics, protocol, sampling
+from common import constraint, metrics, prefix_cache, protocol, sampling
+from common.prefix_cache import PrefixCache
 from common.protocol import Msg, ProtocolError
 from common.runtime import Service, Session
 from services.suffix.config import SuffixConfig
@@ -36,19 +47,25 @@ HIDDEN_DTYPES = ("float16", "bfloat16", "float32")
 
 class SuffixSession(Session):
     def __init__(self, sid: str, seq: int, cut: int, kv, sampling_cfg: protocol.Sampling,
-                 logprobs: int | None = None, matcher: constraint.Matcher | None = None):
+                 logprobs: int | None = None, matcher: constraint.Matcher | None = None,
+                 tokens: list[int] | None = None, tag: tuple = ()):
         super().__init__(sid, seq=seq)
         self.matcher = matcher     # the output constraint's state after the output so far
         self.cut = cut
         self.kv = kv
         self.sampling = sampling_cfg
         self.logprobs = logprobs   # alternatives per token; None = no logprobs
+        self.tokens = tokens       # ids whose rows the KV holds; None = unknown (not cached)
+        self.tag = tag             # what its rows are computed from besides the tokens
+        self.last_token = -1       # the token it chose last: the next step's hidden state is its
+        self.failed = False        # ended on a bug: its rows are not cached
 
 
 @dataclass
 class Pending:
     session: SuffixSession
     x: torch.Tensor        # hidden states [n, hidden], runner dtype
+    ids: list[int]         # the tokens x is of (the session's tokens grow by them once done)
     ident: bytes
     msg: Msg
     arrival: float         # time.monotonic() when it became ready
@@ -69,6 +86,7 @@ class Suffix(Service):
         self.padded = cfg.paper_padding and cfg.scheduler in ("exact", "dsb")
         self.rr = RoundRobin()
         self.runner = None
+        self.kv_cache: PrefixCache | None = None
         self.pending: dict[str, Pending] = {}   # sid -> its waiting step (one per session)
         self.wakeup = asyncio.Event()
         self.last_end = 0.0                     # when the previous window's compute ended
@@ -90,6 +108,9 @@ class Suffix(Service):
                       self.scheduler, self.builder.config.window_ms, self.builder.config.max_size,
                       ", padded" if self.padded else "")
         metrics.declare_suffix(self.name, self.scheduler)
+        self.kv_cache = prefix_cache.for_service(self.runner, self.cfg, self.name,
+                                                 exact=not self.padded)
+        self.log.info(prefix_cache.describe(self.kv_cache, self.cfg))
         self.spawn_loop("window", self.loop())
 
     # --- requests -------------------------------------------------------------------------------
@@ -114,22 +135,39 @@ class Suffix(Service):
         if not 1 <= msg.cut <= self.L - 1:
             raise ProtocolError(protocol.BAD_FIELD, f"cut {msg.cut} outside [1, {self.L - 1}] "
                                                     f"for a {self.L}-layer model", field="cut")
-        if msg.start != 0:
-            raise ProtocolError(protocol.BAD_FIELD, f"open must start at position 0, got "
-                                                    f"{msg.start}", field="start")
         protocol.check_sampling(msg.sampling, self.runner.vocab_size)
         x = self.hidden(msg.hidden, frames)
-        self.sessions.admit(msg, x.shape[0])   # the prompt is as long as its hidden sequence
+        n = msg.start + x.shape[0]   # the prompt: `start` cached rows, then the hidden states
+        if msg.token_ids and len(msg.token_ids) != n:
+            raise ProtocolError(protocol.BAD_FIELD, f"token_ids holds {len(msg.token_ids)} ids, "
+                                f"but start {msg.start} + {x.shape[0]} hidden states make a "
+                                f"prompt of {n}", field="token_ids")
+        if not msg.token_ids and msg.start != 0:
+            raise ProtocolError(protocol.BAD_FIELD, f"open at position {msg.start} without "
+                                f"token_ids: cached rows are found by the prompt's ids",
+                                field="start")
+        self.sessions.admit(msg, list(msg.token_ids) or n, self.runner.vocab_size)
         matcher = None
         if msg.constraint is not None:
             vocab = self.runner.vocab_size
             tok = await asyncio.to_thread(constraint.hf_tokenizer, self.target_path, vocab)
             matcher = constraint.Matcher(tok, msg.constraint, vocab)
             matcher.advance(list(msg.output))
-        s = SuffixSession(msg.sid, msg.seq, msg.cut, self.runner.new_kv(msg.cut, self.L),
-                          msg.sampling, msg.logprobs, matcher)
+        prompt = list(msg.token_ids) or [0] * n   # without ids: nothing reused (start 0)
+        tag = (msg.hidden.dtype, msg.source)
+        kv, hit = self.kv_cache.open(prompt, msg.max_tokens or self.cfg.kv_reserve_tokens,
+                                     self.live_bytes(),
+                                     self.kv_cache.space(msg.cut, self.L, tag),
+                                     reuse=msg.start, need=msg.start)
+        if kv is None:   # fewer cached rows than the edge reused: it computes from ours
+            await self.send(ident, protocol.Ack(sid=msg.sid, seq=msg.seq, rid=msg.rid,
+                                                cached_tokens=hit))
+            return
+        s = SuffixSession(msg.sid, msg.seq, msg.cut, kv, msg.sampling, msg.logprobs, matcher,
+                          prompt[:hit] if msg.token_ids else None, tag)
         self.sessions.add(s)
-        self.enqueue(ident, s, msg, x)
+        self.report_kv()
+        self.enqueue(ident, s, msg, x, prompt[hit:])
 
     async def on_step(self, ident: bytes, msg: protocol.SuffixStep, frames) -> None:
         s = await self.next_step(ident, msg)
@@ -143,12 +181,13 @@ class Suffix(Service):
             raise ProtocolError(protocol.BAD_TENSOR, f"a decode step carries one hidden state "
                                 f"[1, {self.runner.hidden_size}], got {list(x.shape)}",
                                 field="hidden")
-        self.enqueue(ident, s, msg, x)
+        self.enqueue(ident, s, msg, x, [s.last_token])
 
-    def enqueue(self, ident: bytes, s: SuffixSession, msg: Msg, x: torch.Tensor) -> None:
+    def enqueue(self, ident: bytes, s: SuffixSession, msg: Msg, x: torch.Tensor,
+                ids: list[int]) -> None:
         now = time.monotonic()
         s.seq, s.busy, s.reply = msg.seq, True, None
-        self.pending[s.sid] = Pending(s, x, ident, msg, now)
+        self.pending[s.sid] = Pending(s, x, ids, ident, msg, now)
         self.builder.add(Request(s.sid, s.cut, x.shape[0], now), now)
         self.wakeup.set()
 
@@ -157,11 +196,23 @@ class Suffix(Service):
         positions waiting for a forward, KV bytes."""
         queued = sum(int(p.x.shape[0]) for p in self.pending.values())
         sessions = self.sessions.values()
-        return len(sessions), queued, sum(s.kv.nbytes() for s in sessions)
+        return len(sessions), queued, self.live_bytes()   # cached prefixes give way: not load
+
+    def live_bytes(self) -> int:
+        return sum(s.kv.nbytes() for s in self.sessions.values())
+
+    def report_kv(self) -> None:
+        metrics.KV_BYTES.labels(self.name).set(self.live_bytes() + self.kv_cache.cached_bytes)
 
     def session_dropped(self, s: SuffixSession) -> None:
+        """A session ended: its queued step goes, and the rows of its tokens go to the prefix
+        cache, unless it ended on a bug (its state may be half-updated)."""
         self.unqueue(s.sid)
         self.rr.drop(s.sid)
+        if s.tokens is not None and not s.failed:
+            self.kv_cache.put(s.tokens, s.kv, len(s.tokens), s.tag)
+            self.kv_cache.fit(self.live_bytes())
+        self.report_kv()
 
     def unqueue(self, sid: str) -> None:
         if self.pending.pop(sid, None) is not None:
@@ -269,9 +320,13 @@ class Suffix(Service):
                     await self.end_constrained(p.ident, p.msg, out)
                     continue
                 if isinstance(out, Exception):
+                    s.failed = True
                     await self.fail_session(p.ident, p.msg, "forward and sampling", out)
                     continue
                 _, token, dt, lp = out
+                if s.tokens is not None:
+                    s.tokens += p.ids
+                s.last_token = token
                 metrics.QUEUE_TIME.labels(self.name).observe(start - p.arrival)
                 metrics.SPLIT_TOKENS.labels(self.name, self.scheduler, str(s.cut)).inc()
                 reply = protocol.SuffixToken(sid=s.sid, seq=p.msg.seq, rid=p.msg.rid,
@@ -280,7 +335,7 @@ class Suffix(Service):
                 s.reply, s.busy = (reply, []), False
                 if not s.closed:
                     await self.send(p.ident, reply)
-            metrics.KV_BYTES.labels(self.name).set(sum(s.kv.nbytes() for s in self.sessions.values()))
+            self.report_kv()
 
 
 def main(argv=None) -> None:

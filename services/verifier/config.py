@@ -16,12 +16,3 @@ class VerifierConfig(ModelServiceConfig):
         0,
         "torch threads while a speculative session is open: the drafter then drafts beside us (on this "
         "machine under `tandem up`), so we keep to our share of the cores; 0 = threads", ge=0)
-    kv_budget_bytes: int = setting(
-        0, "bytes of KV cache for live sessions and cached prefixes together; a session that "
-        "cannot fit is refused with busy; 0 = half the memory left after the weights load", ge=0)
-    prefix_cache: bool = setting(
-        True, "keep finished sessions' KV (prompt + output) and reuse it for prompts that start "
-        "with the same tokens (exact: only where the runner's rows do not depend on chunking)")
-    kv_reserve_tokens: int = setting(
-        1024, "KV rows a speculative session reserves past its prompt when its SpecOpen does not "
-        "say how many tokens it may generate", ge=1)

@@ -8,7 +8,7 @@ A session type decides what it feeds and what it does with the logits
 (services/verifier/engine.py: `CloudSession`; services/verifier/spec.py: `SpecSession`); this
 module is the I/O around them: admission, the handlers, and the loop.
 
-KV memory (services/verifier/prefix_cache.py): each new session reserves its KV within a byte
+KV memory (common/prefix_cache.py): each new session reserves its KV within a byte
 budget, starting from the longest prefix of its prompt that a finished session left cached
 (exact: the rows have the bits a prefill would compute); a session that cannot fit is refused
 with `busy` before any work.
@@ -22,13 +22,13 @@ import time
 import numpy as np
 import torch
 
-from common import constraint, metrics, protocol, sampling
+from common import constraint, metrics, prefix_cache, protocol, sampling
+from common.prefix_cache import PrefixCache
 from common.protocol import Msg, ProtocolError
 from common.runtime import Service, check_token_ids
 from services.verifier import spec_verify
 from services.verifier.config import VerifierConfig
 from services.verifier.engine import CloudSession, EngineSession, Work
-from services.verifier.prefix_cache import PrefixCache
 from services.verifier.spec import MAX_Q_WIDTH, SpecSession
 
 
@@ -61,22 +61,13 @@ class Verifier(Service):
         self.log.info("target %s loaded: %d layers, vocab %d", path, self.runner.num_layers,
                       self.vocab_size)
         metrics.declare_verifier(self.name)
-        c = self.prefix_cache()
-        self.log.info("KV budget %.2f GB (%d tokens); prefix cache %s", c.budget / 1e9,
-                      c.budget // c.row_bytes,
-                      "on" if c.enabled else "off" if not self.cfg.prefix_cache else
-                      "off: the runner's rows depend on chunking here (no CPU kernels)")
+        self.log.info(prefix_cache.describe(self.prefix_cache(), self.cfg))
         self.spawn_loop("engine", self.engine_loop())
 
     def prefix_cache(self) -> PrefixCache:
         """The KV budget and prefix cache over this verifier's runner (made on first use)."""
         if self.kv_cache is None:
-            from common.resources import available_memory
-
-            budget = self.cfg.kv_budget_bytes or available_memory(self.runner.device) // 2
-            self.kv_cache = PrefixCache(self.runner, budget,
-                                        self.cfg.prefix_cache and self.runner.chunk_invariant,
-                                        self.name)
+            self.kv_cache = prefix_cache.for_service(self.runner, self.cfg, self.name)
         return self.kv_cache
 
     # --- admission and handlers ----------------------------------------------------------------

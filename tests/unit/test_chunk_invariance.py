@@ -1,5 +1,5 @@
 """A prompt's K/V rows and logits do not depend on how its prefill is chunked: the prefix cache
-(services/verifier/prefix_cache.py) hands one session rows another session computed in other
+(common/prefix_cache.py) hands one session rows another session computed in other
 chunks, and output with the cache must equal output without it, bit for bit."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The verifier's prefix cache and KV budget (services/verifier/prefix_cache.py): what is matched,
+"""The prefix cache and KV budget (common/prefix_cache.py): what is matched, per space,
 kept, evicted and refused (on a toy cache), that reused rows give the logits a full prefill gives
 bit for bit (the real runner), and through the in-process stack that a later turn reuses an
 earlier turn's prompt and answer with output unchanged and equal to transformers', in cloud-only
@@ -12,15 +12,16 @@ import torch
 from common import protocol
 from common.protocol import ProtocolError
 from common.runner import SessionKV
-from services.verifier.prefix_cache import PrefixCache
+from common.prefix_cache import PrefixCache
 
 
 class ToyRunner:
     """The shape of a runner, for the cache's bookkeeping: 2 layers of 1 x 8 K/V (128 B a row)."""
     num_layers, kv_heads, head_dim, dtype = 2, 1, 8, torch.float32
+    lo, hi = 0, 2
 
-    def new_kv(self):
-        return SessionKV(0, 2, 1, 8, torch.float32)
+    def new_kv(self, lo=0, hi=2):
+        return SessionKV(lo, hi, 1, 8, torch.float32)
 
 
 ROW = 128
@@ -82,6 +83,24 @@ def test_a_prompt_over_the_whole_budget_is_too_large_naming_the_limit():
     assert "kv_budget_bytes" in str(e.value) and "70 tokens" in str(e.value)
     with pytest.raises(ValueError, match="at least 64"):
         PrefixCache(ToyRunner(), 63 * ROW, enabled=True)
+
+
+def test_rows_serve_only_sessions_of_their_own_space_and_reuse_is_capped():
+    c = PrefixCache(ToyRunner(), 1 << 20, enabled=True)
+    upper = SessionKV(1, 2, 1, 8, torch.float32)     # layer [1, 2) only: a suffix at cut 1
+    upper.reserve(1, 2, 5)
+    upper.bufs[0][:, :, :5] = torch.arange(5.0)[None, None, :, None]
+    upper.lens = [5]
+    c.put([1, 2, 3, 4, 5], upper, 5, tag="edge-a")
+    c.put([1, 2, 3], finished([1, 2, 3]), 3)          # layers [0, 2), no tag
+    assert c.open([1, 2, 3, 4, 5, 6], 4, 0, c.space(1, 2, "edge-b"))[1] == 0
+    assert c.open([1, 2, 3, 4, 5, 6], 4, 0, c.space(0, 2))[1] == 3
+    kv, hit = c.open([1, 2, 3, 4, 5, 6], 4, 0, c.space(1, 2, "edge-a"))
+    assert hit == 5 and (kv.lo, kv.hi) == (1, 2) and kv.bufs[0][0, 0, :5, 0].tolist() == [0, 1, 2, 3, 4]
+    assert c.open([1, 2, 3, 4, 5, 6], 4, 0, c.space(1, 2, "edge-a"), reuse=2)[1] == 2
+    # fewer rows than the caller needs: nothing admitted, how many there are said
+    assert c.open([1, 2, 3, 4, 9], 4, 0, c.space(0, 2), reuse=4, need=4) == (None, 3)
+    assert len(c.entries) == 2   # one per space: neither extends the other
 
 
 def test_a_disabled_cache_keeps_nothing_but_still_budgets():
