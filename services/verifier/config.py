@@ -8,6 +8,10 @@ class VerifierConfig(ModelServiceConfig):
     max_batch_tokens: int = setting(512, "tokens in one forward call; longer prefills are chunked", ge=1)
     max_batch_sessions: int = setting(32, "sessions in one forward call", ge=1)
     stream_verify: bool = setting(True, "run the forward over draft batches as they arrive")
+    max_queue_s: float = setting(
+        5.0, "prompt work queued ahead of a new session, in seconds at the measured prefill rate; "
+             "beyond it the session is answered busy (the dispatcher takes stall_s of silence "
+             "from a session for a stall)", gt=0)
     max_tree_nodes: int = setting(
         64, "nodes in one token-tree round; a round over it is refused with too_large", ge=1)
     max_tree_depth: int = setting(

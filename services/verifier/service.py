@@ -40,6 +40,7 @@ class Verifier(Service):
         self.cfg: VerifierConfig = cfg
         self.runner = None
         self.kv_cache: PrefixCache | None = None
+        self.prefill_rate = 0.0   # tokens per second of forwards with prompt work (EWMA)
         self.wakeup = asyncio.Event()
         self.route(protocol.CloudGenerate, self.on_cloud_generate)
         self.route(protocol.SpecOpen, self.on_spec_open)
@@ -89,7 +90,17 @@ class Verifier(Service):
 
     def open_kv(self, prompt: list[int], new_tokens: int):
         """KV for a new session within the budget, holding the longest cached prefix of its
-        prompt: (kv, reused rows); `busy` / `too_large` when it cannot fit."""
+        prompt: (kv, reused rows); `busy` / `too_large` when it cannot fit, or when the prompt
+        work queued ahead of it would keep it silent too long (queue_wait_s)."""
+        queued = self.load()[1]
+        own = len(prompt) - self.prefix_cache().match(prompt)[1]   # its rows not cached
+        wait = queue_wait_s(queued, own, self.prefill_rate, self.cfg.max_queue_s)
+        if wait is not None:
+            raise ProtocolError(
+                protocol.BUSY,
+                f"verifier prefill queue full: {queued} tokens queued ahead, about {wait:.1f} s "
+                f"at {self.prefill_rate:.0f} tokens/s (max_queue_s {self.cfg.max_queue_s:g}); "
+                f"retry in about {max(1, round(wait))} s")
         kv, hit = self.prefix_cache().open(prompt, new_tokens, self.live_bytes())
         self.report_kv()
         return kv, hit
@@ -260,6 +271,10 @@ class Verifier(Service):
         out = self.runner.forward(segs, 0, self.runner.num_layers)
         dt = time.perf_counter() - t
         phase = step[0][1].phase if len({w.phase for _, w in step}) == 1 else "mixed"
+        if phase != "decode" and dt > 0:
+            rate = sum(len(w.token_ids) for _, w in step) / dt
+            self.prefill_rate = rate if not self.prefill_rate else \
+                0.7 * self.prefill_rate + 0.3 * rate
         metrics.FORWARD.labels(self.name, phase).observe(dt)
         metrics.FORWARD_TOKENS.labels(self.name, phase).observe(sum(len(w.token_ids) for _, w in step))
         metrics.FORWARD_SESSIONS.labels(self.name, phase).observe(len(step))
@@ -316,3 +331,13 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def queue_wait_s(queued: int, prompt: int, rate: float, max_s: float) -> float | None:
+    """Seconds of prompt work queued ahead of a new session with `prompt` tokens, when it is
+    over `max_s` (the session is refused); None to admit it. An empty queue always admits (a
+    long prompt alone is served, however slowly), and so does a rate not yet measured."""
+    if queued <= 0 or rate <= 0:
+        return None
+    wait = queued / rate
+    return wait if wait + prompt / rate > max_s else None
