@@ -32,6 +32,17 @@ from services.verifier.engine import CloudSession, EngineSession, Work
 from services.verifier.spec import MAX_Q_WIDTH, SpecSession
 
 
+
+def queue_wait_s(queued: int, prompt: int, rate: float, max_s: float) -> float | None:
+    """Seconds of prompt work queued ahead of a new session with `prompt` tokens, when it is
+    over `max_s` (the session is refused); None to admit it. An empty queue always admits (a
+    long prompt alone is served, however slowly), and so does a rate not yet measured."""
+    if queued <= 0 or rate <= 0:
+        return None
+    wait = queued / rate
+    return wait if wait + prompt / rate > max_s else None
+
+
 class Verifier(Service):
     name = "verifier"
 
@@ -332,12 +343,3 @@ def main(argv=None) -> None:
 if __name__ == "__main__":
     main()
 
-
-def queue_wait_s(queued: int, prompt: int, rate: float, max_s: float) -> float | None:
-    """Seconds of prompt work queued ahead of a new session with `prompt` tokens, when it is
-    over `max_s` (the session is refused); None to admit it. An empty queue always admits (a
-    long prompt alone is served, however slowly), and so does a rate not yet measured."""
-    if queued <= 0 or rate <= 0:
-        return None
-    wait = queued / rate
-    return wait if wait + prompt / rate > max_s else None
