@@ -1,4 +1,4 @@
-"""`tandem bench spec|split|tuner|overhead|runner|coupling|defaults [...]`: a module with main(argv)
+"""`tandem bench spec|split|tuner|overhead|runner|coupling|defaults|resume [...]`: a module with main(argv)
 each."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ BENCHES = {
     "runner": ("bench.bench_runner", "LayerRangeRunner vs transformers, ragged batching, verify k"),
     "coupling": ("bench.bench_coupling", "accepted tokens per round: gumbel vs rejection sampling"),
     "defaults": ("bench.bench_defaults", "`tandem up`'s resource plan vs hand-set threads and cores"),
+    "resume": ("bench.bench_resume", "kill -9 of a process mid-stream under the supervisor"),
 }
 
 
