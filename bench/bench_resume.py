@@ -180,19 +180,25 @@ class Streamer:
                            timeout=DEADLINE_S + 30) as c:
             self.t_start = time.monotonic()
             self.started.set()
+            # logprobs=0: each event lists its tokens (in spec mode an event may hold several),
+            # so the kill is aimed by tokens as through the SDK
             events = c.completions.create(
-                model="tandem", prompt=self.ids, max_tokens=self.n, stream=True,
+                model="tandem", prompt=self.ids, max_tokens=self.n, stream=True, logprobs=0,
                 stream_options={"include_usage": True},
                 extra_body={"mode": self.trial.mode, "ignore_eos": True,
                             "deadline_s": DEADLINE_S}, **sampling)
-            pieces = 0
+            held = 0
             for ev in events:
                 if ev.usage is not None:
                     self.usage_tokens = ev.usage.completion_tokens
-                if ev.choices and ev.choices[0].text:
-                    self.text += ev.choices[0].text
-                    pieces += 1   # an SSE event with text; in spec mode it may hold several tokens
-                    self.arrivals.append((time.monotonic(), pieces))
+                if not ev.choices:
+                    continue
+                text, lp = ev.choices[0].text or "", ev.choices[0].logprobs
+                got = len(lp.tokens) if lp is not None and lp.tokens else int(bool(text))
+                self.text += text
+                if got:
+                    held += got
+                    self.arrivals.append((time.monotonic(), held))
 
     def pause(self) -> float | None:
         """The largest gap between two arrivals, the request's start counting as the first."""
