@@ -58,7 +58,10 @@ KINDS = (("dispatcher", "cloud-only"), ("dispatcher", "spec"), ("dispatcher", "s
          ("drafter", "spec"), ("prefix", "split"))
 PROMPTS = (BUILTIN_PROMPTS["plain"], BUILTIN_PROMPTS["code"], "Once upon a time, in a village by the sea,",
            "The three laws of thermodynamics state that")
-SAMPLING = {"temperature": 0.8, "top_p": 0.95}
+# Seeded trials sample under the Gumbel coupling: the text depends on the seed and the prompt
+# alone, so an uninterrupted run is the reference in every mode (under rejection sampling spec
+# output depends on where rounds began and ended: not even an uninterrupted rerun repeats it)
+SAMPLING = {"temperature": 0.8, "top_p": 0.95, "sampling_coupling": "gumbel"}
 DEADLINE_S = 120.0          # each request's deadline: no trial may come near it
 PAUSE_MARGIN_S = 2.0        # goal: pause <= restart time + this
 PREFILL_SHARE = 0.2         # share of trials whose kill is aimed at the prompt's prefill
@@ -114,19 +117,23 @@ def metric_sum(url: str, name: str, **labels) -> float:
 
 
 def plan_trials(per_kind: int, tokens: int, seed: int) -> list[Trial]:
-    """The trials, kind by kind, with their kill points drawn from one seeded RNG."""
+    """The trials, their kill points drawn from one seeded RNG; the kinds take turns, so each
+    meets the same conditions over the run (and a run cut short has some of every kind)."""
     rng = random.Random(seed)
-    out = []
+    by_kind = []
     for victim, mode in KINDS:
+        mine = []
         for i in range(per_kind):
             sampled = (i // 2) % 2 == 1
             prefill = rng.random() < PREFILL_SHARE
             after = 0 if prefill else rng.randint(1, tokens - tokens // 4)
             delay = rng.uniform(0.0, 0.1) if prefill else rng.uniform(0.0, 0.08)
-            out.append(Trial(f"{victim}/{mode}", victim, mode, "sdk" if i % 2 == 0 else "gateway",
-                             rng.randrange(1, 2**31) if sampled else None, i % len(PROMPTS),
-                             after, delay))
-    return out
+            mine.append(Trial(f"{victim}/{mode}", victim, mode,
+                              "sdk" if i % 2 == 0 else "gateway",
+                              rng.randrange(1, 2**31) if sampled else None, i % len(PROMPTS),
+                              after, delay))
+        by_kind.append(mine)
+    return [t for turn in zip(*by_kind) for t in turn]
 
 
 class Streamer:
@@ -174,8 +181,12 @@ class Streamer:
 
     def run_gateway(self) -> None:
         import openai
-        sampling = ({"temperature": 0.0} if self.trial.seed is None
-                    else {**SAMPLING, "seed": self.trial.seed})
+        # OpenAI's own fields as arguments, Tandem's (the coupling) in the body's extra fields
+        sampling = {"temperature": 0.0} if self.trial.seed is None else {
+            "temperature": SAMPLING["temperature"], "top_p": SAMPLING["top_p"],
+            "seed": self.trial.seed}
+        coupling = {} if self.trial.seed is None else {
+            "sampling_coupling": SAMPLING["sampling_coupling"]}
         with openai.OpenAI(base_url=self.api + "/v1", api_key="unused", max_retries=0,
                            timeout=DEADLINE_S + 30) as c:
             self.t_start = time.monotonic()
@@ -186,7 +197,7 @@ class Streamer:
                 model="tandem", prompt=self.ids, max_tokens=self.n, stream=True, logprobs=0,
                 stream_options={"include_usage": True},
                 extra_body={"mode": self.trial.mode, "ignore_eos": True,
-                            "deadline_s": DEADLINE_S}, **sampling)
+                            "deadline_s": DEADLINE_S, **coupling}, **sampling)
             held = 0
             for ev in events:
                 if ev.usage is not None:
@@ -418,6 +429,8 @@ def main(argv=None) -> int:
         print(f"{len(trials)} trials, {tokens} tokens each; services' logs in {logdir}",
               flush=True)
         rows = []
+        setup = {"tokens": tokens, "trials_per_kind": per_kind, "seed": args.seed,
+                 "deadline_s": DEADLINE_S, "sampling": SAMPLING, "prompts": list(PROMPTS)}
         for i, t in enumerate(trials):
             ids = prompt_ids[t.prompt]
             want = greedy[t.prompt] if t.seed is None else bench.uninterrupted(t, ids)
@@ -430,6 +443,9 @@ def main(argv=None) -> int:
                   f"{'exact' if o.exact else 'NOT EXACT'}"
                   + (f" {o.error}" if o.error else "") + (f" {o.notes}" if o.notes else ""),
                   flush=True)
+            # the file holds every trial so far: a run cut short keeps what it measured
+            write_json(args.json, "resume", "loopback, supervised", summarize(rows),
+                       trials=rows, goals=goals(summarize(rows), rows, per_kind), **setup)
             bench.wait_peers_up()
     kinds_summary = summarize(rows)
     print("\nkill -9 under the supervisor, mid-stream")
@@ -442,8 +458,7 @@ def main(argv=None) -> int:
     goal_lines = goals(kinds_summary, rows, per_kind)
     print("\n" + "\n".join(goal_lines))
     write_json(args.json, "resume", "loopback, supervised", kinds_summary, trials=rows,
-               goals=goal_lines, tokens=tokens, trials_per_kind=per_kind, seed=args.seed,
-               deadline_s=DEADLINE_S, sampling=SAMPLING, prompts=list(PROMPTS))
+               goals=goal_lines, **setup)
     return 0
 
 
