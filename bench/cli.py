@@ -1,5 +1,5 @@
-"""`tandem bench spec|split|tuner|overhead|runner|coupling|defaults|chat|kv [...]`: a module with main(argv)
-each."""
+"""`tandem bench spec|split|tuner|overhead|runner|coupling|defaults|chat|kv|resume [...]`:
+a module with main(argv) each."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ BENCHES = {
     "defaults": ("bench.bench_defaults", "`tandem up`'s resource plan vs hand-set threads and cores"),
     "chat": ("bench.bench_chat", "multi-turn chat through the gateway, prefix cache on and off"),
     "kv": ("bench.bench_kv", "hundreds of long sessions against the verifier's KV byte budget"),
+    "resume": ("bench.bench_resume", "kill -9 of a process mid-stream under the supervisor"),
 }
 
 

@@ -478,6 +478,33 @@ def kv_section(doc: dict, name: str) -> str:
     return "\n".join(out)
 
 
+def resume_section(doc: dict, name: str) -> str:
+    """`tandem bench resume`: SIGKILL of a process mid-stream under the supervisor, per kind."""
+    rows = [[r["kind"], r["n"], r["completed"], r["exact"], r["pause_s_median"], r["pause_s_max"],
+             r["restart_s_median"], r["restart_s_max"], r["pause_within_restart_plus_2s"],
+             r["resumes"], r["replays"],
+             ", ".join(f"{n} {w}" for w, n in r["landed"].items() if n)]
+            for r in doc["results"]]
+    out = [f"### kill -9 mid-stream under the supervisor — `{name}`", "",
+           f"{doc.get('trials_per_kind')} trials per kind, {doc.get('tokens')} tokens per request, "
+           f"one at a time on the stack `tandem up` starts (every service and the gateway, "
+           f"supervised: restarted 1 s after it dies). Each trial streams one request through "
+           f"the SDK or the gateway (`openai` client), greedy or seeded sampling, and sends "
+           f"SIGKILL to the process at a point drawn from a seeded RNG (during the prefill, or "
+           f"after k tokens plus a random delay). Pause: the largest gap between two token "
+           f"arrivals the client saw; restart: SIGKILL to the new process answering /readyz. "
+           f"Exact: greedy output equal to transformers' generate(do_sample=False), seeded "
+           f"output equal to the uninterrupted run with the same seed; token ids through the "
+           f"SDK, text through the gateway. Resumes: continuations the SDK or gateway sent "
+           f"after losing its dispatcher; replays: sessions the dispatcher rebuilt.", "",
+           _md_table(rows, ["kind", "n", "completed", "exact", "pause s median", "pause s worst",
+                            "restart s median", "restart s worst", "pause <= restart + 2 s",
+                            "resumes", "replays", "kill landed"])]
+    if doc.get("goals"):
+        out += ["", "Goals:", ""] + [f"* {g}" for g in doc["goals"]]
+    return "\n".join(out)
+
+
 def generic_section(doc: dict, name: str) -> str:
     return (f"### {doc['bench']} — `{name}`\n\n```json\n"
             + json.dumps(doc["results"], indent=1, default=str)[:6000] + "\n```")
@@ -525,7 +552,8 @@ def main(argv=None) -> int:
                    "tuner": tuner_section, "runner": runner_section,
                    "defaults": defaults_section,
                    "coupling": coupling_section, "chat": chat_section,
-                   "kv": kv_section}.get(doc["bench"], generic_section)
+                   "kv": kv_section,
+                   "resume": resume_section}.get(doc["bench"], generic_section)
         parts += [section(doc, f.stem), ""]
         drawable = doc["bench"] != "split" or any(
             r.get("throughput_tok_s") is not None for r in split_rows(doc))

@@ -787,6 +787,7 @@ class Peer:
         self.last_seen = 0.0
         self.generation = 0           # bumps each time the socket is recreated
         self.load: protocol.Pong | None = None   # the last heartbeat reply: readiness and load
+        self.instance = ""            # the peer's run, from its Pongs ("" before any)
         self._rids = itertools.count(1)
         self._channels: dict[int, Channel] = {}
         self._sock: zmq.asyncio.Socket | None = None
@@ -864,6 +865,9 @@ class Peer:
                 self.rtt = time.monotonic() - msg.t
                 self.load = msg            # its load, for placement (services/dispatcher/placement.py)
                 metrics.LINK_RTT.labels(self.owner, self.name).observe(self.rtt)
+                if self.instance and msg.instance and msg.instance != self.instance:
+                    self._restarted()
+                self.instance = msg.instance or self.instance
                 self._mark(msg.ready)
                 continue
             ch = self._channels.get(msg.rid)
@@ -895,6 +899,16 @@ class Peer:
             if self.up and silent > self.timeout_s:
                 self._mark(False)
                 self._reset()
+
+    def _restarted(self) -> None:
+        """Another run of the peer answers: it restarted, faster than its silence would have
+        marked it down, and the sessions the old run held are gone with it. Everything in flight
+        fails now (`unknown_session`: replayed as a restart), not after the stall timer."""
+        self.log.warning("%s restarted; failing its %d requests in flight", self.name,
+                         len(self._channels))
+        for ch in list(self._channels.values()):
+            ch.queue.put_nowait((protocol.Error(rid=ch.rid, code=protocol.UNKNOWN_SESSION,
+                                                message=f"{self.name} restarted"), []))
 
     def _reset(self) -> None:
         """The peer stopped answering: fail everything in flight and start a fresh socket."""

@@ -18,8 +18,10 @@ What triggers a replay (`reason`, a metrics label):
               (spec mode) the verifier answered `unknown_round`: a batch or NAV that opened a
               round never reached it, and a later one names that round
     stall     nothing arrived for `stall_s` while time was left (a lost final message, a
-              request lost on the way up, a replica that restarted faster than the heartbeat)
-    restarted the replica answered `unknown_session`: it restarted and forgot the session
+              request lost on the way up)
+    restarted the replica answered `unknown_session`: it restarted and forgot the session; or
+              its heartbeat answer came from another run (Pong.instance), a restart faster than
+              the heartbeat's timeout (a supervisor's): Peer fails the sessions in flight at once
     resumed   (spec mode) a request that went on with the drafter alone while the cloud was
               unreachable (allow_edge_only) found a verifier up again: verification resumes
               from the tokens streamed so far, degraded ones included

@@ -161,3 +161,44 @@ def test_the_page_judges_token_trees_goals_from_the_same_run():
     learned = goals["pipesd-learned TPT over the clairvoyant chain bound"]      # bound is half
     assert learned[3] == "NOT met" and learned[2].startswith("1.6")
     assert results_page.token_tree_goals({"pipesd": by["pipesd"]}) == []
+
+
+def test_bench_resume_plans_varied_kill_points_from_its_seed():
+    from bench.bench_resume import KINDS, plan_trials
+    trials = plan_trials(10, 64, seed=0)
+    assert trials == plan_trials(10, 64, seed=0)          # the same seed, the same kills
+    assert len(trials) == 10 * len(KINDS)
+    for victim, mode in KINDS:
+        mine = [t for t in trials if (t.victim, t.mode) == (victim, mode)]
+        assert {t.client for t in mine} == {"sdk", "gateway"}
+        assert {t.seed is None for t in mine} == {True, False}
+        assert all(0 <= t.after_tokens <= 48 for t in mine)
+    assert any(t.after_tokens == 0 for t in trials)       # aimed at the prefill
+    assert len({t.after_tokens for t in trials}) > 10     # and all along the stream
+
+
+def test_bench_resume_summary_goals_and_section():
+    from bench.bench_resume import goals, summarize
+    row = {"client": "sdk", "sampling": "greedy", "prompt": 0, "aimed_at": "after 5 tokens",
+           "tokens_before_kill": 5, "landed": "stream", "died": True, "restarted": True,
+           "resumes": 1, "replays": 0.0, "completed": True, "tokens": 64, "exact": True,
+           "no_duplicate_or_gap": True, "wall_s": 9.0, "error": "", "notes": []}
+    rows = [{**row, "kind": "dispatcher/cloud-only", "restart_s": 4.0, "pause_s": 4.5,
+             "pause_minus_restart_s": 0.5},
+            {**row, "kind": "dispatcher/cloud-only", "restart_s": 5.0, "pause_s": 7.5,
+             "pause_minus_restart_s": 2.5, "landed": "prefill", "tokens_before_kill": 0},
+            {**row, "kind": "drafter/spec", "restart_s": 2.0, "pause_s": 3.0,
+             "pause_minus_restart_s": 1.0, "exact": False, "resumes": 0}]
+    kinds = summarize(rows)
+    assert [k["kind"] for k in kinds] == ["dispatcher/cloud-only", "drafter/spec"]
+    d = kinds[0]
+    assert (d["n"], d["completed"], d["exact"], d["pause_within_restart_plus_2s"]) == (2, 2, 2, 1)
+    assert (d["pause_s_max"], d["restart_s_median"], d["resumes"]) == (7.5, 4.5, 2)
+    assert d["landed"] == {"prefill": 1, "stream": 1, "after the end": 0}
+    lines = goals(kinds, rows, per_kind=2)
+    assert lines[0].startswith("dispatcher kill -9s: 2/2") and lines[0].endswith("not met")
+    assert "worst 2.50 s" in lines[1] and lines[1].endswith("not met")
+    assert lines[-1] == "drafter/spec kill -9s: 0/1 complete exactly: not met"
+    page = results_page.resume_section({"results": kinds, "goals": lines, "tokens": 64,
+                                        "trials_per_kind": 2}, "resume")
+    assert "| dispatcher/cloud-only | 2 | 2 | 2 |" in page and lines[1] in page
