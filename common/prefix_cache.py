@@ -175,14 +175,17 @@ class PrefixCache:
         return best, best_n
 
     # --- finished sessions ----------------------------------------------------------------------
-    def put(self, tokens: list[int], kv, n: int, tag=None) -> None:
+    def put(self, tokens: list[int], kv, n: int, tag=None, live_bytes: int = 0) -> None:
         """Keep the first `n` rows of a finished session's `kv`, whose tokens are tokens[:n],
         in the space of its layers and `tag`. Copies them (the session's buffers may still be
         written by a forward in flight past row n, and hold room beyond it); drops entries of
-        the space this one extends."""
+        the space this one extends. The copy is made within the budget beside `live_bytes` (the
+        other sessions) and `kv` itself, still allocated while it is copied: least recently used
+        entries go first, and if it still does not fit it is not kept."""
         n = min(n, len(tokens), min(kv.lens))
         space = (kv.lo, kv.hi, tag)
-        if not self.enabled or n < 1 or n * (kv.hi - kv.lo) * self.layer_bytes > self.budget:
+        size = n * (kv.hi - kv.lo) * self.layer_bytes
+        if not self.enabled or n < 1 or size > self.budget:
             return
         ids = np.asarray(tokens[:n], dtype=np.int64)
         for key, e in list(self.entries.items()):
@@ -194,6 +197,10 @@ class PrefixCache:
                 return
             if c == len(e.tokens):     # this extends the entry
                 self._drop(key)
+        beside = live_bytes + kv.nbytes() + size
+        self._evict(beside)
+        if self.cached_bytes + beside > self.budget:
+            return
         with torch.inference_mode():
             rows = [buf[:, :, :n].clone() for buf in kv.bufs]
         e = Entry(space, ids, rows)

@@ -159,7 +159,7 @@ class Prefix(Service):
         """A session ended: the rows of its tokens go to the prefix cache, for its cut, unless
         it ended on a bug (its state may be half-updated)."""
         if not s.failed:
-            self.kv_cache.put(s.tokens, s.kv, len(s.tokens))
+            self.kv_cache.put(s.tokens, s.kv, len(s.tokens), live_bytes=self.live_bytes())
             self.kv_cache.fit(self.live_bytes())
         self.report_kv()
 

@@ -210,7 +210,7 @@ class Suffix(Service):
         self.unqueue(s.sid)
         self.rr.drop(s.sid)
         if s.tokens is not None and not s.failed:
-            self.kv_cache.put(s.tokens, s.kv, len(s.tokens), s.tag)
+            self.kv_cache.put(s.tokens, s.kv, len(s.tokens), s.tag, self.live_bytes())
             self.kv_cache.fit(self.live_bytes())
         self.report_kv()
 

@@ -124,7 +124,7 @@ class Verifier(Service):
         the prefix cache, unless it ended on a bug (its state may be half-updated)."""
         if isinstance(s, EngineSession) and not s.failed:
             tokens, n = s.cacheable()
-            self.prefix_cache().put(tokens, s.kv, n)
+            self.prefix_cache().put(tokens, s.kv, n, live_bytes=self.live_bytes())
             self.prefix_cache().fit(self.live_bytes())
         self.report_kv()
 

@@ -228,3 +228,15 @@ def _evictions() -> float:
     from prometheus_client import REGISTRY
 
     return REGISTRY.get_sample_value("tandem_kv_evictions_total", {"service": "verifier"}) or 0.0
+
+
+def test_a_finished_sessions_copy_is_made_within_the_budget_beside_its_own_buffers():
+    """Copying a finished session's rows needs room for the copy while the session's buffers
+    and the other live sessions still hold theirs: older entries make it, or nothing is kept."""
+    c = PrefixCache(ToyRunner(), 300 * ROW, enabled=True)
+    c.put(list(range(100)), finished(list(range(100))), 100)
+    assert c.cached_bytes == 100 * ROW
+    c.put(list(range(200, 300)), finished(list(range(200, 300))), 100, live_bytes=100 * ROW)
+    assert [e.tokens[0] for e in c.entries.values()] == [200]   # the older entry made room
+    c.put(list(range(400, 500)), finished(list(range(400, 500))), 100, live_bytes=150 * ROW)
+    assert not c.entries and c.cached_bytes == 0     # 150 live + 100 own + 100 copy > 300
