@@ -91,6 +91,8 @@ class Outcome:
     landed: str = ""          # "prefill" (no token yet) | "stream" | "after the end"
     died: bool = False
     restarted: bool = False   # a new pid and a supervisor restart
+    restarts: int = 0         # supervisor restarts of the process during the trial (1 per kill;
+                              # more when a restarted run died again)
     restart_s: float | None = None
     pause_s: float | None = None
     pause_minus_restart_s: float | None = None
@@ -304,7 +306,8 @@ class Bench:
             time.sleep(0.02)
         if proc.pid != old and proc.probe():
             out.restart_s = time.monotonic() - t_kill
-        out.restarted = proc.pid != old and proc.restarts == restarts + 1
+        out.restarts = proc.restarts - restarts
+        out.restarted = proc.pid != old and out.restarts >= 1
         s.thread.join(DEADLINE_S + 60)
         out.wall_s = (s.t_end or time.monotonic()) - s.t_start
         if s.thread.is_alive():
@@ -353,6 +356,7 @@ def summarize(rows: list[dict]) -> list[dict]:
                   and r["pause_minus_restart_s"] <= PAUSE_MARGIN_S]
         out.append({"kind": kind, "n": len(rs),
                     "restarted": sum(r["restarted"] for r in rs),
+                    "restarts": sum(r["restarts"] for r in rs),
                     "completed": sum(r["completed"] for r in rs),
                     "exact": sum(r["exact"] for r in rs),
                     "pause_s_median": statistics.median(pauses) if pauses else None,

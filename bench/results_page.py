@@ -480,8 +480,9 @@ def kv_section(doc: dict, name: str) -> str:
 
 def resume_section(doc: dict, name: str) -> str:
     """`tandem bench resume`: SIGKILL of a process mid-stream under the supervisor, per kind."""
-    rows = [[r["kind"], r["n"], r["completed"], r["exact"], r["pause_s_median"], r["pause_s_max"],
-             r["restart_s_median"], r["restart_s_max"], r["pause_within_restart_plus_2s"],
+    rows = [[r["kind"], r["n"], r.get("restarts"), r["completed"], r["exact"], r["pause_s_median"],
+             r["pause_s_max"], r["restart_s_median"], r["restart_s_max"],
+             r["pause_within_restart_plus_2s"],
              r["resumes"], r["replays"],
              ", ".join(f"{n} {w}" for w, n in r["landed"].items() if n)]
             for r in doc["results"]]
@@ -492,12 +493,13 @@ def resume_section(doc: dict, name: str) -> str:
            f"the SDK or the gateway (`openai` client), greedy or seeded sampling, and sends "
            f"SIGKILL to the process at a point drawn from a seeded RNG (during the prefill, or "
            f"after k tokens plus a random delay). Pause: the largest gap between two token "
-           f"arrivals the client saw; restart: SIGKILL to the new process answering /readyz. "
+           f"arrivals the client saw; restart: SIGKILL to the new process answering /readyz; "
+           f"restarts: the supervisor's, one per kill unless a restarted run died again. "
            f"Exact: greedy output equal to transformers' generate(do_sample=False), seeded "
            f"output equal to the uninterrupted run with the same seed; token ids through the "
            f"SDK, text through the gateway. Resumes: continuations the SDK or gateway sent "
            f"after losing its dispatcher; replays: sessions the dispatcher rebuilt.", "",
-           _md_table(rows, ["kind", "n", "completed", "exact", "pause s median", "pause s worst",
+           _md_table(rows, ["kind", "n", "restarts", "completed", "exact", "pause s median", "pause s worst",
                             "restart s median", "restart s worst", "pause <= restart + 2 s",
                             "resumes", "replays", "kill landed"])]
     if doc.get("goals"):

@@ -181,7 +181,7 @@ def test_bench_resume_summary_goals_and_section():
     from bench.bench_resume import goals, summarize
     row = {"client": "sdk", "sampling": "greedy", "prompt": 0, "aimed_at": "after 5 tokens",
            "tokens_before_kill": 5, "landed": "stream", "died": True, "restarted": True,
-           "resumes": 1, "replays": 0.0, "completed": True, "tokens": 64, "exact": True,
+           "restarts": 1, "resumes": 1, "replays": 0.0, "completed": True, "tokens": 64, "exact": True,
            "no_duplicate_or_gap": True, "wall_s": 9.0, "error": "", "notes": []}
     rows = [{**row, "kind": "dispatcher/cloud-only", "restart_s": 4.0, "pause_s": 4.5,
              "pause_minus_restart_s": 0.5},
@@ -201,4 +201,4 @@ def test_bench_resume_summary_goals_and_section():
     assert lines[-1] == "drafter/spec kill -9s: 0/1 complete exactly: not met"
     page = results_page.resume_section({"results": kinds, "goals": lines, "tokens": 64,
                                         "trials_per_kind": 2}, "resume")
-    assert "| dispatcher/cloud-only | 2 | 2 | 2 |" in page and lines[1] in page
+    assert "| dispatcher/cloud-only | 2 | 2 | 2 | 2 |" in page and lines[1] in page
