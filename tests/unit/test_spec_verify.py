@@ -322,9 +322,10 @@ def test_repeated_open_of_another_session_kind_is_refused():
 
     class Runner:   # the shape the verifier's KV budget reads; rows that depend on chunking
         num_layers, kv_heads, head_dim, dtype = 1, 1, 8, torch.float32
+        lo, hi = 0, 1
         device, chunk_invariant = torch.device("cpu"), False
 
-        def new_kv(self):
+        def new_kv(self, lo=0, hi=1):
             return FakeKV()
 
     async def main():
