@@ -163,7 +163,7 @@ class Auto:
                     if opening is not None:   # a cloud-first stretch: until the drafter is ready
                         if not opening.done():
                             return False
-                        if opening.result() is not None:
+                        if opening.result() is not None and req.max_tokens - n > 1:
                             verdict.append(Switch(other, auto_policy.SWITCH_DRAFTER_READY))
                             return True
                     if not window:   # the stretch's first token (its prefill) is not its pace

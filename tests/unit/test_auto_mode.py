@@ -6,6 +6,8 @@ field. One stack for the module: its estimates start empty, so the first choices
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from prometheus_client import REGISTRY
 
@@ -236,3 +238,24 @@ def test_a_spec_choice_streams_its_first_tokens_from_the_cloud_while_the_drafter
     cloud = stack.complete(list(ids), max_tokens=n, stop_at_eos=False, deadline_s=120,
                            mode="cloud-only", **sampled)
     assert seeded.token_ids == cloud.token_ids
+    _no_drafter_sessions_left(stack)
+
+
+def _no_drafter_sessions_left(stack) -> None:
+    """Closes are asynchronous: polled until the drafter holds no session, or 10 s pass."""
+    drafter = stack.stack.services["drafter"]
+    deadline = time.monotonic() + 10
+    while drafter.sessions.ids() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not drafter.sessions.ids(), drafter.sessions.ids()
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_a_cloud_first_request_too_short_to_draft_leaves_no_drafter_session(
+        stack, ids, reference, cloud_first, no_exploring, n):
+    """Chosen for pipesd but over before its drafter is of use: the drafter session opened
+    beside the cloud is closed whether or not the request switched into it."""
+    r = stack.complete(list(ids), max_tokens=n, stop_at_eos=False, deadline_s=120, mode="auto",
+                       tpt_slo_ms=1e6)
+    assert r.token_ids == reference(ids, n) and r.stats.auto["chosen"] == "spec/pipesd"
+    _no_drafter_sessions_left(stack)

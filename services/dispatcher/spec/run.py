@@ -398,6 +398,10 @@ class SpecRun:
             self.dch.close()
             if self.drafter_alive and self.drafter_handover is None:
                 d.spawn(d.close_remote(d.drafter, self.dsid))
+        elif self.resume_drafter is not None and self.drafter_handover is None:
+            # a drafter session handed to this stretch and never taken up (one token was left,
+            # or the drafter is down): nobody else will close it
+            d.spawn(d.close_remote(d.drafter, self.resume_drafter[0]))
         if self.sm is not None:
             self._stats()
 
