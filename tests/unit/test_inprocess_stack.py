@@ -183,6 +183,19 @@ def test_batched_equals_one_by_one_and_forwards_held_several_sessions(stack, ids
     assert max(seen) > 1, f"no forward held more than one session: {seen}"
 
 
+def _holding_new_sessions(s, role: str):
+    """A function naming the `role` replica that holds a session opened after this call: an
+    earlier test's session may still be closing on the other replica."""
+    names = [name for name in s.services if name.split("-")[0] == role]
+    before = {m: set(s.services[m].sessions.ids()) for m in names}
+
+    def holding() -> str:
+        new = [m for m in names if set(s.services[m].sessions.ids()) - before[m]]
+        assert len(new) == 1, f"replicas holding the new session: {new}"
+        return new[0]
+    return holding
+
+
 @pytest.mark.parametrize("mode,role", [("cloud-only", "verifier"), ("spec", "verifier"),
                                        ("split", "suffix"), ("spec-tree", "verifier")])
 def test_a_replica_stopped_mid_stream_is_recovered_exactly(stack, ids, reference, mode, role):
@@ -195,16 +208,14 @@ def test_a_replica_stopped_mid_stream_is_recovered_exactly(stack, ids, reference
         mode, kw = "spec", {"policy": "tree"}
 
     async def go(s):
-        names = [name for name in s.services if name.split("-")[0] == role]
+        holding = _holding_new_sessions(s, role)
         async with s.client() as c:
             tokens, stopped = [], None
             async for chunk in c.generate(list(ids[2]), mode=mode, max_tokens=n,
                                           stop_at_eos=False, deadline_s=120, **kw):
                 tokens += chunk.token_ids
                 if stopped is None and len(tokens) >= 4:
-                    holding = [m for m in names if len(s.services[m].sessions)]
-                    assert holding, "no replica holds the session"
-                    stopped = holding[0]
+                    stopped = holding()
                     await s.stop(stopped)
             return tokens, c.last_result, stopped
     tokens, result, stopped = stack.call(go)
@@ -492,7 +503,7 @@ def test_a_constrained_session_replayed_mid_output_resumes_its_constraint(
     schema, p, want = constrained[0]
 
     async def go(s):
-        names = [name for name in s.services if name.split("-")[0] == role]
+        holding = _holding_new_sessions(s, role)
         async with s.client() as c:
             tokens, stopped = [], None
             async for chunk in c.generate(list(p), mode=mode, max_tokens=CN, deadline_s=120,
@@ -500,8 +511,7 @@ def test_a_constrained_session_replayed_mid_output_resumes_its_constraint(
                                           **kw):
                 tokens += chunk.token_ids
                 if stopped is None and len(tokens) >= 4:
-                    holding = [m for m in names if len(s.services[m].sessions)]
-                    stopped = holding[0]
+                    stopped = holding()
                     await s.stop(stopped)
             return tokens, c.last_result, stopped
     tokens, result, stopped = stack.call(go)

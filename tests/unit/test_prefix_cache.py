@@ -197,11 +197,12 @@ def test_a_tight_budget_evicts_then_refuses_busy_and_never_fails_a_running_sessi
         evicted = _evictions()
         verifier.prefix_cache().clear()
         a = tokenizer.encode("Budgets: the first conversation starts here and")
-        b = tokenizer.encode("Budgets: another conversation starts over there and")
-        c.budget = 80 * c.row_bytes    # one session (64 rows reserved at least) at a time
+        b = tokenizer.encode("Another conversation, on budgets, starts over there and")
+        # room for one session (64 rows reserved at least) and the copy of its rows, never two
+        c.budget = 100 * c.row_bytes
         first = _gen(stack, a, "cloud-only")          # cached when it ends
         assert c.entries
-        second = _gen(stack, b, "cloud-only")         # evicts the first's rows to fit
+        second = _gen(stack, b, "cloud-only")         # its copy evicts the first's rows
         assert _evictions() > evicted
         assert second.stats["cached_tokens"] == 0 and len(second.token_ids) == N
 
