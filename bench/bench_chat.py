@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import statistics
 import sys
@@ -40,6 +39,7 @@ from pathlib import Path
 
 from bench import stats, workloads
 from bench.report import table, write_json
+from bench.traffic import sse_events
 from stack.launcher import SERVICES, Cluster
 
 WAYS = ("cache", "no cache")
@@ -84,21 +84,13 @@ def chat_turn(http, base: str, messages: list[dict], mode: str, max_tokens: int)
             "stream": True, "stream_options": {"include_usage": True}, "mode": mode}
     t0 = time.perf_counter()
     first, text, usage = None, [], {}
-    with http.stream("POST", base + "/v1/chat/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"gateway answered {r.status_code}: {r.read()[:500]!r}")
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                raise RuntimeError(f"gateway stream failed: {event['error']}")
-            for choice in event.get("choices") or []:
-                piece = (choice.get("delta") or {}).get("content")
-                if piece:
-                    first = first or time.perf_counter()
-                    text.append(piece)
-            usage = event.get("usage") or usage
+    for event in sse_events(http, base, "chat/completions", body):
+        for choice in event.get("choices") or []:
+            piece = (choice.get("delta") or {}).get("content")
+            if piece:
+                first = first or time.perf_counter()
+                text.append(piece)
+        usage = event.get("usage") or usage
     if first is None:
         raise RuntimeError(f"{mode}: no text streamed (usage {usage})")
     details = usage.get("prompt_tokens_details") or {}

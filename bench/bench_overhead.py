@@ -32,6 +32,7 @@ import zmq
 import zmq.asyncio
 
 from bench.report import summary, table, write_json
+from bench.traffic import sse_events
 from common import protocol as p
 from common.config import ServiceConfig
 from stack.launcher import Cluster, free_port
@@ -165,24 +166,16 @@ def _sdk_stream(client, prompt: str, tokens: int) -> tuple[float, float, int]:
 
 def _gateway_stream(http, base: str, prompt: str, tokens: int) -> tuple[float, float, int]:
     """(TTFT s, TPT s, tokens) of one SSE stream from the gateway's /v1/completions."""
-    import json
     body = {"model": "tandem", "prompt": prompt, "max_tokens": tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     first = None
     n = 0
-    with http.stream("POST", base + "/v1/completions", json=body) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                raise RuntimeError(f"gateway stream failed: {event['error']}")
-            if first is None and event["choices"] and event["choices"][0]["text"]:
-                first = time.perf_counter()
-            if event.get("usage"):
-                n = event["usage"]["completion_tokens"]
+    for event in sse_events(http, base, "completions", body):
+        if first is None and event["choices"] and event["choices"][0]["text"]:
+            first = time.perf_counter()
+        if event.get("usage"):
+            n = event["usage"]["completion_tokens"]
     end = time.perf_counter()
     return first - t0, (end - first) / max(n - 1, 1), n
 

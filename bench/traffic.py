@@ -68,6 +68,23 @@ async def _drive(endpoint: str, rounds: int, max_tokens: int, report: TrafficRep
                 report.invalid_rejected += 1
 
 
+def sse_events(http, base: str, route: str, body: dict):
+    """The JSON events of one streamed request to the gateway's /v1/`route` (httpx client
+    `http`): a non-200 answer or an `error` event raises RuntimeError."""
+    import json
+
+    with http.stream("POST", f"{base}/v1/{route}", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"gateway answered {r.status_code}: {r.read()[:500]!r}")
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(f"gateway stream failed: {event['error']}")
+            yield event
+
+
 def _drive_api(base: str, max_tokens: int, report: TrafficReport) -> None:
     """A completion and a streamed chat completion through the OpenAI-compatible gateway."""
     import httpx
