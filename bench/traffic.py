@@ -8,6 +8,7 @@ the layer below the services and the SDK.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from dataclasses import dataclass, field
 
@@ -71,8 +72,6 @@ async def _drive(endpoint: str, rounds: int, max_tokens: int, report: TrafficRep
 def sse_events(http, base: str, route: str, body: dict):
     """The JSON events of one streamed request to the gateway's /v1/`route` (httpx client
     `http`): a non-200 answer or an `error` event raises RuntimeError."""
-    import json
-
     with http.stream("POST", f"{base}/v1/{route}", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"gateway answered {r.status_code}: {r.read()[:500]!r}")

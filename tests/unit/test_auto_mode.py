@@ -6,8 +6,6 @@ field. One stack for the module: its estimates start empty, so the first choices
 
 from __future__ import annotations
 
-import time
-
 import pytest
 from prometheus_client import REGISTRY
 
@@ -18,6 +16,7 @@ from services.dispatcher.auto_policy import SpecFigures
 from services.dispatcher.config import AutoConfig
 from tandem import InvalidRequest
 from stack.inprocess import BackgroundStack
+from tests.conftest import wait_until
 
 PROMPT = "def fibonacci(n):\n"
 N = 16
@@ -244,10 +243,8 @@ def test_a_spec_choice_streams_its_first_tokens_from_the_cloud_while_the_drafter
 def _no_drafter_sessions_left(stack) -> None:
     """Closes are asynchronous: polled until the drafter holds no session, or 10 s pass."""
     drafter = stack.stack.services["drafter"]
-    deadline = time.monotonic() + 10
-    while drafter.sessions.ids() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not drafter.sessions.ids(), drafter.sessions.ids()
+    wait_until(lambda: not drafter.sessions.ids(), 10,
+               f"the drafter to close its sessions ({drafter.sessions.ids()} when the wait began)")
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])
