@@ -304,13 +304,23 @@ class Link:
 
     def drop_live(self, streams: list[Stream], timeout: float = 30.0) -> int:
         """A drop that hits: once a connection is open and a stream is still running, close
-        every connection; returns how many were closed (at least 1, asserted)."""
-        wait_until(lambda: self.stats()["connections_open"] >= 1
-                   or all(s.end is not None for s in streams),
-                   timeout, "a connection through the link to drop")
-        assert not all(s.end is not None for s in streams), "the streams ended before the drop"
-        n = self.drop()
-        assert n >= 1, "the drop closed no connection"
+        every connection; returns how many were closed (at least 1, asserted).
+
+        The check and the drop run in one step of the proxy's loop: a connection the client is
+        replacing (the dispatcher re-dials a peer it gave up on) can close between a check made
+        from this thread and the drop, which would then hit nothing."""
+        async def drop_when_open() -> int:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + timeout
+            while loop.time() < deadline and not all(s.end is not None for s in streams):
+                if self.proxy.stats()["connections_open"] >= 1:
+                    return self.proxy.drop()
+                await asyncio.sleep(0.005)
+            return 0
+        n = asyncio.run_coroutine_threadsafe(drop_when_open(), self.loop).result(timeout + 5)
+        assert not all(s.end is not None for s in streams) or n >= 1, \
+            "the streams ended before the drop"
+        assert n >= 1, f"no connection through the link to drop within {timeout} s"
         return n
 
     def close(self) -> None:

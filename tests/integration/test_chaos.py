@@ -28,7 +28,7 @@ import pytest
 from stack.launcher import SERVICES, Cluster
 from common.models import repo_root
 from tests import _reliability as rel
-from tests.conftest import PROMPTS
+from tests.conftest import PROMPTS, wait_until
 
 N = 24                        # tokens per request
 PROMPT_KEYS = ("plain", "code")
@@ -97,6 +97,18 @@ def env(model_paths, tmp_path_factory):
         yield c, links, rec
     for link in links.values():
         link.close()
+
+
+@pytest.fixture(autouse=True)
+def isolated(env):
+    """Each condition starts on a healed link with no request of an earlier one in flight, so
+    a condition that failed half-way cannot leak its replays into the next one's counts."""
+    yield
+    c, links, rec = env
+    for link in links.values():
+        link.shape()
+        wait_until(lambda link=link: link.partitioned_for() == 0, 30, "the link to heal")
+    assert rec.wait_end(list(rec.streams.values()), timeout=180), "requests never ended"
 
 
 @pytest.fixture(scope="module")
