@@ -12,8 +12,9 @@ class DrafterConfig(ServiceConfig):
     max_lookahead: int = setting(
         128, "one request never lets a session draft more than this past its end", ge=1)
     context_pool: int = setting(
-        4, "closed sessions' contexts kept for new ones, with their prompt's KV (a new session of "
-        "the same context size skips creating one and evaluating the prompt it shares); 0: "
+        4, "closed sessions' contexts kept for new ones, with the KV of the tokens they evaluated "
+        "(a new session skips creating a context and evaluating what it shares: a chat's next "
+        "turn, the last answer included); 0: "
         "free each at close (idle ones are held beside max_sessions' contexts, ~25 MB per 1k tokens "
         "of context each)", ge=0)
     max_sessions: int = setting(64, "contexts held at once (each ~25 MB per 1k tokens of context)", ge=1)

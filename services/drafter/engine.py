@@ -17,12 +17,23 @@ from there, so drafts after a rollback are exactly those of a session that never
 
 Contexts outlive their sessions (DraftModel.take / give_back): creating one costs ~20 ms and a
 short prompt's evaluation ~40 ms on a 2-core CPU, more than the few tokens a short request
-drafts. A closed session's context goes back to a small pool with the KV of its prompt; the next
-session of the same context size takes the one that shares most of its prompt, and evaluates only
-the rest. Reuse is exact — the KV kept is bit for bit what evaluating the new prompt would give —
-because only whole chunks of the same tokens at the same positions are kept (a prompt is
-evaluated in `n_batch` chunks from position 0, and llama.cpp's batched kernels may round a token
-differently in a chunk of another length), or the whole prompt when it is the same prompt.
+drafts. A closed session's context goes back to a small pool with the KV of every token it
+evaluated (prompt, committed and drafted tokens); the next session takes the one that shares
+most of its prompt and evaluates only the rest. How much it may keep depends on whether its
+output can depend on its drafts:
+- Greedy, Gumbel-coupled and unseeded sessions cannot: the target picks every token (greedy,
+  Gumbel) or the draw is fresh anyway (unseeded), and rejection sampling is exact for any draft
+  distribution, as long as q is the one the draft was drawn from. Such a session keeps every row
+  it shares with the cached tokens — a chat's next turn finds the whole conversation so far,
+  the last answer included — from a context of any size (a smaller one's rows are copied into a
+  new context of the size it needs). Its drafts' probabilities may differ from a fresh
+  context's (llama.cpp computes a token's cells otherwise in a batch of another length; top-1
+  probabilities move by up to ~0.07 on the bundled drafter), which moves only how many drafts
+  the target accepts.
+- A seeded rejection-sampled session's draws follow its drafts, so it keeps only what makes its
+  drafts bit for bit a fresh context's: from a context of its own size, whole `n_batch` chunks of
+  the same tokens at the same positions (a prompt is evaluated in `n_batch` chunks from position
+  0), or the whole prompt when it is the same prompt.
 
 Token trees (DraftSession.tree_begin / tree_step): a session opened with
 `tree_nodes` > 0 gets a unified KV cache with tree_nodes + 1 sequences and room for the nodes.
@@ -150,20 +161,26 @@ class _Context:
     mem: object
     batch: object
     key: tuple            # (n_ctx, n_batch, n_seq_max, kv_unified): contexts of one key are alike
-    cached: list[int]     # sequence 0 holds these tokens at positions 0.., evaluated as a prompt
+    cached: list[int]     # sequence 0 holds these tokens at positions 0..
+    exact: int = 0        # the first `exact` of them were evaluated as a prompt, in n_batch chunks
 
 
-def reusable_prefix(cached: list[int], head: list[int], n_batch: int) -> int:
-    """How many of `cached`'s KV cells a prompt whose evaluated part is `head` can keep, exactly:
-    all of them for the same tokens, else the whole `n_batch` chunks the two have in common."""
+def reusable_prefix(c: _Context, head: list[int], bitwise: bool) -> int:
+    """How many of `c`'s KV cells a prompt whose evaluated part is `head` can keep: every cell of
+    the tokens the two share, or with `bitwise` only those a fresh evaluation of `head` would
+    give bit for bit (all of the cached prompt for the same prompt, else the whole `n_batch`
+    chunks the two have in common)."""
     n = 0
-    for a, b in zip(cached, head):
+    for a, b in zip(c.cached, head):
         if a != b:
             break
         n += 1
-    if n == len(cached) == len(head):
+    if not bitwise:
         return n
-    return n // n_batch * n_batch
+    n = min(n, c.exact)
+    if n == c.exact == len(head):
+        return n
+    return n // c.key[1] * c.key[1]
 
 
 class DraftModel:
@@ -197,26 +214,32 @@ class DraftModel:
                         self.vocab, n_vocab=self.n_vocab)
             return self._ll_tokenizer
 
-    def take(self, key: tuple, head: list[int]) -> tuple[_Context, int]:
+    def take(self, key: tuple, head: list[int], bitwise: bool = True) -> tuple[_Context, int]:
         """A context of this key for a prompt whose evaluated part is `head`, and how many of
-        `head`'s tokens its KV holds already: the idle one that holds most, else a new one."""
+        `head`'s tokens its KV holds already: the idle one that holds most, else a new one.
+        With `bitwise` only a context of this very key, keeping only cells a fresh evaluation
+        would give bit for bit; without, a context of any size (reusable_prefix)."""
         with self.lock:
             best, keep = None, -1
             for c in self.idle:
-                if c.key == key:
-                    n = reusable_prefix(c.cached, head, key[1])
+                if c.key == key or not bitwise and c.key[1:] == key[1:]:
+                    n = reusable_prefix(c, head, bitwise)
                     if n >= keep:                  # ties: the most recently returned
                         best, keep = c, n
             if best is not None:
                 self.idle.remove(best)
         if best is None:
             return self._new_context(key), 0
-        if keep == 0:
-            L.llama_memory_clear(best.mem, True)
-        elif not L.llama_memory_seq_rm(best.mem, 0, keep, -1):
+        if keep == 0 or not L.llama_memory_seq_rm(best.mem, 0, keep, -1):
             L.llama_memory_clear(best.mem, True)
             keep = 0
-        best.cached = head[:keep]
+        if best.key[0] < key[0]:   # too small: its cells move to a new context of this size
+            small, best = best, self._new_context(key)
+            if keep and not _copy_sequence(small, best):
+                L.llama_memory_clear(best.mem, True)
+                keep = 0
+            _free_context(small)
+        best.cached, best.exact = head[:keep], 0
         return best, keep
 
     def give_back(self, c: _Context) -> None:
@@ -272,6 +295,14 @@ def _free_context(c: _Context) -> None:
     L.llama_free(c.ctx)
 
 
+def _copy_sequence(src: _Context, dst: _Context) -> bool:
+    """Copy sequence 0's KV cells from one context into another's empty sequence 0."""
+    size = L.llama_state_seq_get_size(src.ctx, 0)
+    buf = (ctypes.c_uint8 * size)()
+    got = L.llama_state_seq_get_data(src.ctx, buf, size, 0)
+    return got > 0 and L.llama_state_seq_set_data(dst.ctx, buf, got, 0) == got
+
+
 class DraftSession:
     """One session's llama.cpp context, its token list and its position in the KV cache."""
 
@@ -303,7 +334,9 @@ class DraftSession:
         self.n_batch = max(1, min(max(n_batch, self.tree_nodes), self.n_ctx))
         key = (self.n_ctx + 2 * self.tree_nodes, self.n_batch, self.tree_nodes + 1,
                self.tree_nodes > 0)
-        self.context, self.reused = model.take(key, list(prompt[:-1]))
+        # drafts that cannot change the output may come from cells rounded in another batching
+        self.bitwise = not (self.greedy or self.gumbel or sampling.seed is None)
+        self.context, self.reused = model.take(key, list(prompt[:-1]), self.bitwise)
         self.ctx, self.mem, self.batch = self.context.ctx, self.context.mem, self.context.batch
         self.tokens: list[int] = list(prompt)
         self.prompt_len = len(prompt)
@@ -583,19 +616,19 @@ class DraftSession:
         self.tree_abort()
 
     def close(self) -> None:
-        """Hand the context back to the model's pool, keeping the KV of the prompt only (of a
-        chain session whose prompt cells are as evaluated; a tree session's unified cache is
-        cleared: its cells need not lie in position order)."""
+        """Hand the context back to the model's pool with the KV of every token it evaluated,
+        noting how many of them are its prompt's cells as a prompt's evaluation makes them (a
+        tree session's unified cache is cleared: its cells need not lie in position order)."""
         c, self.context = self.context, None
         if c is None:
             return
         self.ctx = self.mem = self.batch = None
-        keep = min(self.n_past, self.prompt_len - 1)
-        if self.tree_nodes or not self.prompt_intact or keep <= 0 or \
-                not L.llama_memory_seq_rm(c.mem, 0, keep, -1):
+        if self.tree_nodes:
             L.llama_memory_clear(c.mem, True)
-            keep = 0
-        c.cached = self.tokens[:keep]
+            c.cached, c.exact = [], 0
+        else:
+            c.cached = self.tokens[:self.n_past]
+            c.exact = min(self.n_past, self.prompt_len - 1) if self.prompt_intact else 0
         self.model.give_back(c)
 
 

@@ -181,6 +181,46 @@ def test_a_reused_context_drafts_what_a_fresh_one_does(model, drafter_path, prom
         pooled.close()
 
 
+def test_a_conversations_next_turn_keeps_the_last_turns_cells(model, drafter_path, tokenizer,
+                                                              prompt):
+    """A session whose drafts cannot change the output (greedy here) keeps every cell it shares
+    with a closed session — the last turn's prompt and answer — even from a smaller context
+    (its cells are copied into one of the size the turn needs). Its drafts are a fresh
+    context's tokens; their probabilities move (llama.cpp computes a token's cells otherwise in
+    a batch of another length: by up to 0.07 here), which changes only how many drafts the
+    target accepts, never its output. A seeded rejection-sampled
+    session, whose draws follow its drafts, keeps only cells a fresh evaluation would give bit
+    for bit: none of a conversation's rows here."""
+    pooled = DraftModel(drafter_path, threads=1, pool=2)
+    try:
+        turn1 = pooled.session(prompt, 320, Sampling())
+        turn1.prefill()
+        for _ in range(6):
+            turn1.step()
+        answer = turn1.tokens[len(prompt):len(prompt) + 4]
+        turn1.rollback(len(prompt) + 4, [])       # four drafts committed, the rest rejected
+        turn1.step()
+        turn1.close()
+        turn2_prompt = prompt + answer + tokenizer.encode(" Tell me more about it.")
+        shared = len(prompt) + 4
+
+        turn2 = pooled.session(turn2_prompt, 512, Sampling())
+        assert turn2.reused == shared and turn2.context.key[0] == 512
+        turn2.prefill()
+        got = [turn2.step() for _ in range(6)]
+        turn2.close()
+        _, want = drafts(model, turn2_prompt, 6)
+        assert [d.token for d in got] == [d.token for d in want]
+        np.testing.assert_allclose([d.prob for d in got], [d.prob for d in want], atol=0.1)
+
+        seeded = Sampling(temperature=0.8, seed=3)
+        s = pooled.session(turn2_prompt + [prompt[0]], 512, seeded)
+        assert s.reused == 0, "a seeded session kept cells evaluated in another batching"
+        s.close()
+    finally:
+        pooled.close()
+
+
 # --- the service ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def drafter_service(model_paths, tmp_path_factory):

@@ -162,6 +162,12 @@ async def _until(ready, timeout=10.0):
     raise TimeoutError("the verifier kept its sessions")
 
 
+def _drafter_cache_hits() -> float:
+    from common import metrics
+
+    return metrics.PROMPT_CACHE.labels("drafter", "hit")._value.get()
+
+
 @pytest.mark.parametrize("mode", ["cloud-only", "spec"])
 def test_a_later_turn_reuses_the_earlier_turn_exactly(stack, tokenizer, reference,
                                                       assert_same_tokens, mode):
@@ -174,9 +180,13 @@ def test_a_later_turn_reuses_the_earlier_turn_exactly(stack, tokenizer, referenc
     first = _gen(stack, turn1, mode)
     assert first.stats["cached_tokens"] == 0
     turn2 = turn1 + first.token_ids + tokenizer.encode(" Next,")
+    drafter_hits = _drafter_cache_hits()
     hit = _gen(stack, turn2, mode)
     # the prompt and the answer (but its last token: never fed) were cached
     assert hit.stats["cached_tokens"] >= len(turn1) + N - 1
+    if mode == "spec":   # and the drafter's pooled context held them, but for the answer's
+        # last draft and the target's last token, which the request ended before it evaluated
+        assert _drafter_cache_hits() - drafter_hits >= len(turn1) + N - 2
     verifier.kv_cache.clear()
     miss = _gen(stack, turn2, mode)
     assert miss.stats["cached_tokens"] == 0
