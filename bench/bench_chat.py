@@ -8,7 +8,8 @@ MT-Bench's two-turn questions (turn 2 carries turn 1 and its answer), or with `-
 synthetic one made of three MT-Bench questions' turns in a row, for the growth curve.
 
 Two stacks run side by side, alike but for the cache: `cache` as `tandem up` configures it, and
-`no cache` with `--prefix-cache false` on every service that has the setting. Both pinned as the
+`no cache` with `--prefix-cache false` on every service that has the setting and the drafter's
+context pool off (`--context-pool 0`). Both pinned as the
 speculative bench pins its stack (edge services and the gateway on core 0, cloud services on core
 1, one thread each: edge and cloud on their own cores), each with its own gateway. Each
 conversation runs in each mode on both stacks back to back, the order alternating, so drift on a
@@ -61,10 +62,14 @@ def conversations(turns: int, count: int) -> list[tuple[str, list[str]]]:
 
 
 def cache_settings() -> dict[str, list[str]]:
-    """`--prefix-cache false` for every service whose configuration has the setting."""
+    """`--prefix-cache false` for every service whose configuration has the setting, and
+    `--context-pool 0` for the drafter (its pooled contexts are its cache of earlier turns)."""
     from stack.plan import service_settings
-    return {name: ["--prefix-cache", "false"] for name in SERVICES
-            if hasattr(service_settings(name), "prefix_cache")}
+    out = {name: ["--prefix-cache", "false"] for name in SERVICES
+           if hasattr(service_settings(name), "prefix_cache")}
+    if hasattr(service_settings("drafter"), "context_pool"):
+        out["drafter"] = ["--context-pool", "0"]
+    return out
 
 
 def make_stack(way: str, logdir: Path) -> Cluster:
