@@ -26,7 +26,7 @@ output can depend on its drafts:
   distribution, as long as q is the one the draft was drawn from. Such a session keeps every row
   it shares with the cached tokens — a chat's next turn finds the whole conversation so far,
   the last answer included — from a context of any size (a smaller one's rows are copied into a
-  new context of the size it needs). Its drafts' probabilities may differ from a fresh
+  new context of the size it needs, as are another batch size's). Its drafts' probabilities may differ from a fresh
   context's (llama.cpp computes a token's cells otherwise in a batch of another length; top-1
   probabilities move by up to ~0.07 on the bundled drafter), which moves only how many drafts
   the target accepts.
@@ -218,11 +218,11 @@ class DraftModel:
         """A context of this key for a prompt whose evaluated part is `head`, and how many of
         `head`'s tokens its KV holds already: the idle one that holds most, else a new one.
         With `bitwise` only a context of this very key, keeping only cells a fresh evaluation
-        would give bit for bit; without, a context of any size (reusable_prefix)."""
+        would give bit for bit; without, a context of any size and batch (reusable_prefix)."""
         with self.lock:
             best, keep = None, -1
             for c in self.idle:
-                if c.key == key or not bitwise and c.key[1:] == key[1:]:
+                if c.key == key or not bitwise and c.key[2:] == key[2:]:
                     n = reusable_prefix(c, head, bitwise)
                     if n >= keep:                  # ties: the most recently returned
                         best, keep = c, n
@@ -233,12 +233,13 @@ class DraftModel:
         if keep == 0 or not L.llama_memory_seq_rm(best.mem, 0, keep, -1):
             L.llama_memory_clear(best.mem, True)
             keep = 0
-        if best.key[0] < key[0]:   # too small: its cells move to a new context of this size
-            small, best = best, self._new_context(key)
-            if keep and not _copy_sequence(small, best):
+        if best.key[1:] != key[1:] or best.key[0] < key[0]:
+            # too small, or batched otherwise: its cells move to a new context of this key
+            old, best = best, self._new_context(key)
+            if keep and not _copy_sequence(old, best):
                 L.llama_memory_clear(best.mem, True)
                 keep = 0
-            _free_context(small)
+            _free_context(old)
         best.cached, best.exact = head[:keep], 0
         return best, keep
 
