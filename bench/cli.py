@@ -1,4 +1,5 @@
-"""`tandem bench spec|split|tuner|overhead|runner|coupling|defaults|chat|kv|resume [...]`:
+"""`tandem bench spec|split|tuner|overhead|runner|coupling|defaults|chat|kv|resume|constraint
+[...]`:
 a module with main(argv) each."""
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ BENCHES = {
     "chat": ("bench.bench_chat", "multi-turn chat through the gateway, prefix cache on and off"),
     "kv": ("bench.bench_kv", "hundreds of long sessions against the verifier's KV byte budget"),
     "resume": ("bench.bench_resume", "kill -9 of a process mid-stream under the supervisor"),
+    "constraint": ("bench.bench_constraint", "JSON schemas from SchemaStore in every mode"),
 }
 
 
