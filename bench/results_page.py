@@ -507,6 +507,31 @@ def resume_section(doc: dict, name: str) -> str:
     return "\n".join(out)
 
 
+def constraint_section(doc: dict, name: str) -> str:
+    """`tandem bench constraint`: SchemaStore schemas in every mode."""
+    rows = [[r["mode"], "yes" if r["constrained"] else "no", r["generated"],
+             _f(r["finished_fraction"]), f"{_f(r['valid_fraction'])} of {r['validated']}",
+             _f(r["same_as_cloud_only"]), _f(r.get("acceptance_mean")), f"{r['tokens_mean']:.0f}",
+             f"{r['seconds_mean']:.1f}"] for r in doc["results"]]
+    c, m = doc.get("compile", {}), doc.get("mask_cost", {})
+    out = [f"### Structured output on SchemaStore — `{name}`", "",
+           f"{doc.get('schemas')} schemas drawn from the {c.get('schemas')} in the `schemastore` "
+           f"package's cache ({c.get('compiled')} compile with llguidance; median compile "
+           f"{1e3 * c.get('compile_s_median', 0):.1f} ms), one greedy answer of at most "
+           f"{doc.get('max_tokens')} tokens per schema and mode, modes interleaved schema by "
+           f"schema; {doc.get('deployment', '')}. Finished: EOS before the limit. Valid: finished "
+           "outputs that validate with `jsonschema` (of those it can decide: a remote `$ref` it "
+           "cannot). Same: token for token equal to cloud-only's answer. `spec-free` is pipesd "
+           "on the same prompts without the schema. Mask cost per token: median "
+           f"{m.get('mask_us_median', 0):.0f} µs, p95 {m.get('mask_us_p95', 0):.0f} µs over "
+           f"{m.get('tokens')} tokens.", "",
+           _md_table(rows, ["mode", "schema", "n", "finished", "valid", "same as cloud-only",
+                            "acceptance", "tokens", "s per answer"])]
+    if doc.get("goals"):
+        out += ["", "Goals:", ""] + [f"* {g}" for g in doc["goals"]]
+    return "\n".join(out)
+
+
 def generic_section(doc: dict, name: str) -> str:
     return (f"### {doc['bench']} — `{name}`\n\n```json\n"
             + json.dumps(doc["results"], indent=1, default=str)[:6000] + "\n```")
@@ -554,7 +579,7 @@ def main(argv=None) -> int:
                    "tuner": tuner_section, "runner": runner_section,
                    "defaults": defaults_section,
                    "coupling": coupling_section, "chat": chat_section,
-                   "kv": kv_section,
+                   "kv": kv_section, "constraint": constraint_section,
                    "resume": resume_section}.get(doc["bench"], generic_section)
         parts += [section(doc, f.stem), ""]
         drawable = doc["bench"] != "split" or any(
