@@ -22,7 +22,10 @@ policy, told to the BO relative to the policy's default knobs run on those promp
 ratio: prompts differ more than knobs, bench/tuning.py). The measured requests then carry the
 chosen knobs (`policy_knobs`: the live autotuner is neither used nor fed), and each JSON row
 says what they were and how they were chosen (`tuned_params`). `--no-tune` measures every policy
-at its defaults instead.
+at its defaults instead. `auto` (the dispatcher chooses the mode per request and may switch
+mid-request) has no knobs: its speculative stretches carry pipesd's, and before the measurement it
+serves as many tuning requests as each BO ran, so its estimates start from the tuning prompts;
+its row says where its tokens went (`auto_token_share`).
 
 Measurement. Every policy runs every test prompt, the policies interleaved (order reversed on
 every other prompt) so machine drift spreads over all of them; per policy and prompt: TPT (request
@@ -74,7 +77,7 @@ from stack.launcher import Cluster, free_port
 from common.progress import Progress
 
 POLICIES = ["cloud-only", "vanilla", "hsl", "edgellm", "pipesd", "pipesd-stream",
-            "pipesd-learned", "oracle-trigger"]
+            "pipesd-learned", "oracle-trigger", "auto"]
 TREE_POLICIES = ["tree", "tree-stream"]   # run when named in --policies
 EDGE_QUOTA = {"s2": 0.5, "s3": 0.25}   # slower edges: the drafter's share of its one core
 LINK_OF = {"s2": "s1", "s3": "s1"}     # ... on S1's link
@@ -249,7 +252,7 @@ def run_request(c, p: str, ids: list[int], n: int, knobs: dict | None = None,
     """One request of policy `p` ("pipesd@R1:R2": pipesd held at those thresholds; `knobs`: the
     policy held at those knob values, see bench/tuning.py)."""
     p, thresholds = parse_policy(p)
-    kw = {"mode": "cloud-only"} if p == "cloud-only" else {"mode": "spec", "policy": p}
+    kw = {"mode": p} if p in ("cloud-only", "auto") else {"mode": "spec", "policy": p}
     if thresholds is not None:
         kw["nav_thresholds"] = thresholds
     elif knobs:
@@ -259,6 +262,7 @@ def run_request(c, p: str, ids: list[int], n: int, knobs: dict | None = None,
 
 
 RUN_STATS = ("acceptance_rate", "mean_draft_length", "cloud_forwards_per_token", "rounds",
+             "segments",
              "accepted_tokens",
              "proactive_kept", "proactive_discarded", "early_rejects", "thresholds", "window",
              "dp_plan", "alpha_s", "beta_s", "gamma_s", "oracle_reference_s", "batches",
@@ -405,6 +409,13 @@ def policy_rows(runs: dict[str, list[dict]], test_names: list[str], bound_tpt_ms
                      "identical_to_reference": all(x["identical"] for x in rs),
                      "identical_runs": f"{sum(bool(x['identical']) for x in rs)}/{len(rs)}",
                      "runs": rs})
+        if p == "auto":   # where auto's tokens went: the share of each mode (or policy)
+            went: dict[str, int] = {}
+            for x in rs:
+                for seg in x.get("segments") or []:
+                    went[seg["policy"]] = went.get(seg["policy"], 0) + seg["tokens"]
+            total = sum(went.values()) or 1
+            rows[-1]["auto_token_share"] = {k: v / total for k, v in sorted(went.items())}
     by = {r["policy"]: r for r in rows}
     present = [b for b in BASELINES if b in by]
     best = min(present, key=lambda b: by[b]["tpt_ms"]) if present else None
@@ -704,6 +715,10 @@ class Measured:
     load_rows: list[dict] = field(default_factory=list)
     prompt_tokens: dict | None = None
 
+    def knobs_of(self, p: str) -> dict | None:
+        """The knobs a request of `p` carries: auto's speculative stretches run pipesd's."""
+        return self.knobs.get("pipesd" if p == "auto" else p)
+
 
 def summarize_runs(plan: Plan, prompts: Prompts, bound_in: BoundInputs, measured: Measured):
     return summarize(measured.runs, plan.uplinks, plan.policies, prompts.test_names,
@@ -756,14 +771,33 @@ def warm_up(c, plan: Plan, prompts: Prompts) -> None:
 def tune_policies(c, plan: Plan, prompts: Prompts, measured: Measured) -> None:
     """Each knobbed policy's knobs (measured.knobs) and how they were chosen (measured.tuned):
     the defaults with --no-tune, else the lockstep BO on the tuning prompts."""
+    names = list(prompts.tune_ids)
     if plan.args.no_tune:
         for p in plan.knobbed:
             measured.knobs[p] = dict(DEFAULTS[p])
             measured.tuned[p] = {"knobs": measured.knobs[p], "how": "defaults (--no-tune)"}
-        return
-    if not plan.knobbed:
-        return
-    names = list(prompts.tune_ids)
+    elif plan.knobbed:
+        tune_knobbed(c, plan, prompts, measured, names)
+    if "auto" in plan.policies:
+        warm_auto(c, plan, prompts, measured, names)
+
+
+def warm_auto(c, plan: Plan, prompts: Prompts, measured: Measured, names: list[str]) -> None:
+    """auto has no knobs; it learns its estimates from the requests it serves. Before the
+    measurement it serves as many tuning requests as each knobbed policy's BO ran (controls
+    not counted), on the same tuning prompts, so it starts the measurement as informed as the
+    others are tuned; it goes on learning during the measurement, as it would in service."""
+    n = 0 if plan.args.no_tune else plan.budget * plan.window
+    for i in range(n):
+        run_request(c, "auto", prompts.tune_ids[names[i % len(names)]], plan.n,
+                    measured.knobs_of("auto"))
+    measured.tuned["auto"] = {"knobs": measured.knobs_of("auto"),
+                              "how": f"pipesd's knobs in its speculative stretches; estimates "
+                                     f"warmed on {n} tuning requests",
+                              "warm_requests": n}
+
+
+def tune_knobbed(c, plan: Plan, prompts: Prompts, measured: Measured, names: list[str]) -> None:
 
     def evaluate(p, k, i):
         chunk = [names[(i * plan.window + j) % len(names)] for j in range(plan.window)]
@@ -803,7 +837,7 @@ def measure_interleaved(c, link, note: str, meter: Meter, plan: Plan, prompts: P
                     for p in order:
                         bar.stage(f"{p} {k} rep {rep}")
                         x = measured_request(c, p, prompts.test_ids[k], plan.n,
-                                             measured.knobs.get(p), meter, bound_in.ref[k])
+                                             measured.knobs_of(p), meter, bound_in.ref[k])
                         measured.runs[u, p].append({"prompt": k, "repeat": rep, **x})
                         bar.write(f"  {p:14s} {k:16s} rep {rep}: TPT "
                                   f"{x['tpt_s'] * 1000:7.1f} ms  identical={x['identical']}")

@@ -61,7 +61,9 @@ def test_bench_spec_quick(tmp_path):
     assert not set(doc["test_prompts"]) & set(doc["tuning_prompts"])
     rows = doc["results"]
     assert {r["policy"] for r in rows} == {"cloud-only", "vanilla", "hsl", "edgellm", "pipesd",
-                                          "pipesd-stream", "pipesd-learned", "oracle-trigger"}
+                                          "pipesd-stream", "pipesd-learned", "oracle-trigger",
+                                          "auto"}
+    by = {r["policy"]: r for r in rows}
     for r in rows:
         assert SPEC_FIELDS <= set(r), SPEC_FIELDS - set(r)
         assert r["identical_to_reference"] is True and r["tpt_ms"] > 0
@@ -75,6 +77,11 @@ def test_bench_spec_quick(tmp_path):
         knobs = r["tuned_params"]["knobs"]
         if r["policy"] in ("cloud-only", "oracle-trigger"):
             assert knobs is None
+        elif r["policy"] == "auto":   # pipesd's knobs, and as many tuning requests as a BO ran
+            assert knobs == by["pipesd"]["tuned_params"]["knobs"]
+            assert r["tuned_params"]["warm_requests"] == 3
+            share = r["auto_token_share"]
+            assert share and sum(share.values()) == pytest.approx(1.0)
         else:   # the same BO budget for every knobbed policy
             evals = r["tuned_params"]["evaluations"]
             assert len(evals) == doc["tune_budget"] == 3
