@@ -118,9 +118,10 @@ def from_tandem(e: TandemError, retry_after_s: int = 1) -> ApiError:
         code = "context_length_exceeded" if e.code == "too_large" and field == "prompt" \
             else e.code
         return ApiError(400, e.message, param=field or None, code=code)
-    if isinstance(e, Busy):
+    if isinstance(e, Busy):   # the service's own estimate when it gave one, else the setting
+        wait = math.ceil(e.retry_after_s) if e.retry_after_s > 0 else retry_after_s
         return ApiError(429, e.message, code=e.code, type="rate_limit_error",
-                        headers={"Retry-After": str(retry_after_s)})
+                        headers={"Retry-After": str(wait)})
     if isinstance(e, DeadlineExceeded):
         return ApiError(504, e.message, code=e.code, type="timeout_error")
     if isinstance(e, (Unavailable, Cancelled)):

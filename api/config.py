@@ -47,7 +47,8 @@ class ApiConfig:
     max_top_logprobs: int = setting(
         20, "alternatives per token a request may ask for (`top_logprobs`, completions' "
         "`logprobs`)", ge=0, le=20)
-    retry_after_s: int = setting(1, "Retry-After of a 429 (dispatcher busy)", ge=0)
+    retry_after_s: int = setting(
+        1, "Retry-After of a 429 whose busy service gave no estimate of its own", ge=0)
     log_level: Literal["debug", "info", "warning", "error"] = setting(
         "info", "log verbosity")
     threads: int = setting(

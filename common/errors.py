@@ -11,11 +11,12 @@ from __future__ import annotations
 
 
 class TandemError(Exception):
-    def __init__(self, code: str, message: str, field: str = ""):
+    def __init__(self, code: str, message: str, field: str = "", retry_after_s: float = 0.0):
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
         self.field = field
+        self.retry_after_s = retry_after_s   # busy: when the sender expects room; 0 = no estimate
 
 
 class ConfigurationError(Exception):

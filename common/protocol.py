@@ -173,6 +173,8 @@ class Error(Msg, tag="error"):
     code: str
     message: str
     field: str = ""          # the offending field (dotted path) of a bad_field / too_large error
+    # busy: the sender's estimate of when a retry can be admitted (seconds); 0 = no estimate
+    retry_after_s: Annotated[float, msgspec.Meta(ge=0, le=3600)] = 0.0
 
 
 class Ack(Msg, tag="ack"):
@@ -733,10 +735,12 @@ def tensor_torch(ref: TensorRef, frames: list):
     return torch.frombuffer(buf, dtype=getattr(torch, ref.dtype)).reshape(ref.shape)
 
 
-def error_reply(req: Msg | None, code: str, message: str, field: str = "") -> Error:
+def error_reply(req: Msg | None, code: str, message: str, field: str = "",
+                retry_after_s: float = 0.0) -> Error:
     if req is None:
-        return Error(code=code, message=message, field=field)
-    return Error(sid=req.sid, seq=req.seq, rid=req.rid, code=code, message=message, field=field)
+        return Error(code=code, message=message, field=field, retry_after_s=retry_after_s)
+    return Error(sid=req.sid, seq=req.seq, rid=req.rid, code=code, message=message, field=field,
+                 retry_after_s=retry_after_s)
 
 
 def peek_ids(frames: list) -> tuple[str, int, int]:

@@ -292,10 +292,10 @@ class Service:
             raise
 
     async def error(self, ident: bytes, req: Msg | None, code: str, message: str,
-                    field: str = "") -> None:
+                    field: str = "", retry_after_s: float = 0.0) -> None:
         metrics.ERRORS.labels(self.name, code).inc()
         self.log.debug("error %s to %r: %s", code, ident, message)
-        await self.send(ident, protocol.error_reply(req, code, message, field))
+        await self.send(ident, protocol.error_reply(req, code, message, field, retry_after_s))
 
     async def fail_session(self, ident: bytes, req: Msg, what: str, exc: BaseException) -> None:
         """One session hit a bug (`what`: its forward, its sampling, ...): the session ends
@@ -461,7 +461,7 @@ class Service:
         try:
             await handler(ident, msg, frames)
         except ProtocolError as e:
-            await self.error(ident, msg, e.code, e.message, e.field)
+            await self.error(ident, msg, e.code, e.message, e.field, e.retry_after_s)
         except Exception as e:  # noqa: BLE001 - a bug must not take the service down
             await self.fail_session(ident, msg, f"{msg.__struct_config__.tag!r} handler", e)
 
@@ -759,7 +759,7 @@ class Channel:
                             f"no reply from {self.peer.name} within {timeout:.1f} s") from None
         msg, frames = item
         if isinstance(msg, protocol.Error):
-            raise PeerError(msg.code, msg.message)
+            raise PeerError(msg.code, msg.message, retry_after_s=msg.retry_after_s)
         return msg, frames
 
     def close(self) -> None:

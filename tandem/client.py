@@ -504,10 +504,11 @@ class AsyncClient:
                 stream.resumes += 1
                 self.resumes += 1
                 continue
-            except (Busy, Unavailable):
+            except (Busy, Unavailable) as e:
                 if started or retry >= max_retries:
                     raise
-                delay = retry_delay(retry, rand=self._random)
+                # the backoff, or later when the service said when it expects room
+                delay = max(retry_delay(retry, rand=self._random), e.retry_after_s)
                 if time.monotonic() + delay >= end:
                     raise   # no time left for another try: the caller hears why now
             finally:   # closed early (the caller stopped, or its task was cancelled): the
@@ -566,7 +567,8 @@ class AsyncClient:
                     return
                 elif isinstance(ev, protocol.Error):
                     finished = True
-                    raise error_from_code(ev.code, ev.message, _ARGUMENTS.get(ev.field, ev.field))
+                    raise error_from_code(ev.code, ev.message, _ARGUMENTS.get(ev.field, ev.field),
+                                          ev.retry_after_s)
         finally:
             self._queues.pop(rid, None)
             if not finished:  # the caller stopped iterating early, or we timed out: cancel

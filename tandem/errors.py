@@ -42,5 +42,6 @@ _BY_CODE = {
 }
 
 
-def error_from_code(code: str, message: str, field: str = "") -> TandemError:
-    return _BY_CODE.get(code, InvalidRequest)(code, message, field)
+def error_from_code(code: str, message: str, field: str = "",
+                    retry_after_s: float = 0.0) -> TandemError:
+    return _BY_CODE.get(code, InvalidRequest)(code, message, field, retry_after_s)

@@ -294,7 +294,8 @@ class Recovery:
         if isinstance(decision, PassThrough):
             raise err
         if isinstance(decision, GiveUp):
-            raise PeerError(decision.code, decision.message)
+            raise PeerError(decision.code, decision.message, retry_after_s=err.retry_after_s
+                            if decision.code == err.code else 0.0)
         now = time.monotonic()
         # a replica that hands sessions back while draining (its last report: not admitting) is
         # shutting down on purpose, not failing: it is not counted toward a ban

@@ -111,7 +111,7 @@ class Verifier(Service):
                 protocol.BUSY,
                 f"verifier prefill queue full: {queued} tokens queued ahead, about {wait:.1f} s "
                 f"at {self.prefill_rate:.0f} tokens/s (max_queue_s {self.cfg.max_queue_s:g}); "
-                f"retry in about {max(1, round(wait))} s")
+                f"retry in about {max(1, round(wait))} s", retry_after_s=round(wait, 3))
         kv, hit = self.prefix_cache().open(prompt, new_tokens, self.live_bytes())
         self.report_kv()
         return kv, hit

@@ -235,6 +235,43 @@ def test_a_tight_budget_evicts_then_refuses_busy_and_never_fails_a_running_sessi
         c.budget = budget
 
 
+def test_a_full_prefill_queue_answers_busy_with_its_wait_as_retry_after(stack, tokenizer):
+    """A session refused for the prompt work queued ahead of it (the verifier's max_queue_s)
+    hears how long that work takes: the verifier's estimate reaches the SDK's Busy as
+    retry_after_s, through the dispatcher."""
+    import asyncio
+
+    from tandem.errors import Busy
+
+    verifier = stack.stack.services["verifier"]
+    _gen(stack, tokenizer.encode("One request first, so the prefill rate is measured, and"),
+         "cloud-only")
+    assert verifier.prefill_rate > 0
+    words = "The queue ahead holds a long prompt of many words, chunk after chunk, and "
+    long = tokenizer.encode(words * 60)[:1200]
+
+    async def both(s):
+        async with s.client(max_retries=0) as cl:
+            first = asyncio.ensure_future(cl.complete(long, mode="cloud-only", max_tokens=2,
+                                                      deadline_s=120))
+            await _until(lambda: verifier.sessions.ids())
+            try:
+                await cl.complete(tokenizer.encode("Behind it, a short one"), mode="cloud-only",
+                                  max_tokens=2, deadline_s=120)
+                refused = None
+            except Busy as e:
+                refused = e
+            await first
+            return refused
+    limit, verifier.cfg.max_queue_s = verifier.cfg.max_queue_s, 1e-3
+    try:
+        refused = stack.call(both)
+    finally:
+        verifier.cfg.max_queue_s = limit
+    assert refused is not None and "prefill queue full" in str(refused)
+    assert 0 < refused.retry_after_s < 60, refused.retry_after_s
+
+
 def _evictions() -> float:
     from prometheus_client import REGISTRY
 

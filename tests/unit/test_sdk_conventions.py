@@ -61,6 +61,9 @@ class FakeDispatcher:
             if what in ("busy", "unavailable"):
                 code = protocol.BUSY if what == "busy" else protocol.UNAVAILABLE
                 await self.send(ident, protocol.Error(rid=rid, code=code, message=what))
+            elif what == "busy-for-3s":   # busy, with the service's estimate of when to retry
+                await self.send(ident, protocol.Error(rid=rid, code=protocol.BUSY,
+                                                      message="busy", retry_after_s=3.0))
             elif what == "token-then-hold":   # one token, then nothing until cancelled
                 await self.send(ident, protocol.TokenEvent(rid=rid, index=0, token_ids=[7],
                                                            text="x"))
@@ -116,6 +119,29 @@ def test_busy_or_unavailable_before_the_first_token_is_retried_with_backoff(refu
             # the retries stay within the request's deadline: each sends what is left
             assert all(r.deadline_s <= d.requests[0].deadline_s for r in d.requests)
     asyncio.run(main())
+
+
+def test_a_busy_answer_with_its_own_estimate_waits_that_long_and_carries_it():
+    async def main():
+        async with FakeDispatcher(["busy-for-3s", "busy-for-3s", "busy-for-3s"]) as d, \
+                AsyncClient(d.endpoint) as c:
+            delays = recording(c, dice=0.5)
+            stream = c.generate("hi", max_tokens=3)
+            with pytest.raises(Busy) as refused:
+                async for _ in stream:
+                    pass
+            # the longer of the backoff (0.44 s, 0.875 s) and the service's estimate
+            assert delays == [3.0, 3.0] and len(d.requests) == 3
+            assert refused.value.retry_after_s == 3.0
+    asyncio.run(main())
+
+
+def test_the_gateway_sends_the_services_estimate_as_retry_after():
+    from api.app import from_tandem
+
+    assert from_tandem(Busy("busy", "queue full", retry_after_s=2.2)).headers == \
+        {"Retry-After": "3"}
+    assert from_tandem(Busy("busy", "in flight"), retry_after_s=1).headers == {"Retry-After": "1"}
 
 
 def test_retries_give_up_after_max_retries_default_two():

@@ -226,7 +226,8 @@ class SpecRun:
                     and self.drafter_alive and not any(p.up for p in self.d.verifiers):
                 await self.go_edge_only()
                 return
-            raise PeerError(msg.code, f"verifier: {msg.message}")   # replayed if recoverable
+            raise PeerError(msg.code, f"verifier: {msg.message}",   # replayed if recoverable
+                            retry_after_s=msg.retry_after_s)
         if isinstance(msg, protocol.Ack):
             sent_at = self.verifier.sent_at
             if msg.seq == OPEN_SEQ:
