@@ -18,12 +18,19 @@ replica after the one chosen last (taking turns), so a burst of sessions from se
 dispatchers spreads instead of piling onto the replica that looked emptiest a moment ago. A
 session then stays on its replica for its life (its KV cache lives there); only a failure or a
 drain moves it, by a replay.
+
+Affinity. A conversation's next turn re-sends the turns before it, whose KV the replica that
+served them holds in its prefix cache. `Affinity` remembers, by a hash chain over whole blocks
+of tokens, which replica last held each prefix; among the replicas tied for the fewest
+sessions, a new session goes to the one holding its longest remembered prefix. Only ties are
+broken this way, so placement balances exactly as without it.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import socket
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Iterable
 from urllib.parse import urlsplit
@@ -65,9 +72,10 @@ class Estimate:
         return self.sessions(), self.report.queued_tokens, self.report.kv_bytes
 
 
-def choose(replicas: list[Estimate], turn: int = 0) -> int | None:
+def choose(replicas: list[Estimate], turn: int = 0, prefer: str | None = None) -> int | None:
     """Index of the eligible replica with the least outstanding work; among equals, the first
-    at or after `turn` (cyclically). None when no replica is eligible."""
+    at or after `turn` (cyclically), or `prefer` (the replica holding the session's prefix)
+    when it holds no more sessions than that one. None when no replica is eligible."""
     n = len(replicas)
     best, best_key = None, None
     for k in range(n):
@@ -78,7 +86,45 @@ def choose(replicas: list[Estimate], turn: int = 0) -> int | None:
         key = r.work()
         if best_key is None or key < best_key:
             best, best_key = i, key
+    if best is not None and prefer is not None:
+        for i, r in enumerate(replicas):
+            if r.name == prefer and r.eligible and r.sessions() <= replicas[best].sessions():
+                return i
     return best
+
+
+class Affinity:
+    """Which replica last held each prefix of the token sequences its sessions ended with, by a
+    hash chain over whole `block`-token blocks (the last `entries` blocks remembered, least
+    recently used forgotten first)."""
+
+    def __init__(self, block: int = 64, entries: int = 1 << 16):
+        self.block = block
+        self.entries = entries
+        self.where: OrderedDict[int, str] = OrderedDict()   # chain hash -> replica name
+
+    def _chain(self, tokens: list[int]) -> list[int]:
+        out, h = [], 0
+        for k in range(len(tokens) // self.block):
+            h = hash((h, tuple(tokens[k * self.block:(k + 1) * self.block])))
+            out.append(h)
+        return out
+
+    def remember(self, tokens: list[int], replica: str) -> None:
+        for h in self._chain(tokens):
+            self.where[h] = replica
+            self.where.move_to_end(h)
+        while len(self.where) > self.entries:
+            self.where.popitem(last=False)
+
+    def lookup(self, tokens: list[int]) -> tuple[str | None, int]:
+        """The replica holding the longest remembered prefix of `tokens`, and its length."""
+        chain = self._chain(tokens)
+        for k in range(len(chain) - 1, -1, -1):
+            replica = self.where.get(chain[k])
+            if replica is not None:
+                return replica, (k + 1) * self.block
+        return None, 0
 
 
 def imbalance(sessions: Iterable[int]) -> int:

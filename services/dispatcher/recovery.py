@@ -89,6 +89,7 @@ class Replicas(list):
         self.placed: dict[str, int] = {}     # peer name -> sessions this dispatcher holds on it
         self.at_report: dict[str, tuple[object, int]] = {}   # name -> (report seen, placed then)
         self.suspect: dict[str, object] = {}  # name -> report current when it refused a session
+        self.affinity = placement.Affinity()  # which replica holds which conversation prefix
 
     def estimates(self) -> list[placement.Estimate]:
         out = []
@@ -109,11 +110,13 @@ class Replicas(list):
             out.append(placement.Estimate(p.name, up, report, placed, then, suspect))
         return out
 
-    def next_up(self) -> Peer | None:
-        """The replica a new session goes to, or None when none is up and admitting."""
+    def next_up(self, tokens: list[int] | None = None) -> Peer | None:
+        """The replica a new session on `tokens` goes to, or None when none is up and
+        admitting."""
         if not self:
             return None
-        i = placement.choose(self.estimates(), self.turn % len(self))
+        prefer = self.affinity.lookup(tokens)[0] if tokens and len(self) > 1 else None
+        i = placement.choose(self.estimates(), self.turn % len(self), prefer)
         if i is None:
             return None
         self.turn = i + 1
@@ -125,6 +128,9 @@ class Replicas(list):
             metrics.PLACEMENTS.labels(self.service.name, peer.name).inc()
 
     def release(self, peer: Peer) -> None:
+        # a report that came while the session ran counts it: note it before the session goes,
+        # or the replica would look a session busier until its next report
+        self.estimates()
         self.placed[peer.name] = max(0, self.placed.get(peer.name, 0) - 1)
 
     def refused(self, peer: Peer) -> None:
@@ -172,10 +178,11 @@ def recovery_policy(cfg) -> RecoveryPolicy:
                           ban_window_s=cfg.replica_ban_window_s, ban_s=cfg.replica_ban_s)
 
 
-async def first_up(peers: list[Peer], timeout: float) -> Peer | None:
-    """The replica to place on (least outstanding work), else the first to come up within
-    `timeout`."""
-    place = peers.next_up if isinstance(peers, Replicas) else (
+async def first_up(peers: list[Peer], timeout: float,
+                   tokens: list[int] | None = None) -> Peer | None:
+    """The replica to place a session on `tokens` on (least outstanding work), else the first
+    to come up within `timeout`."""
+    place = (lambda: peers.next_up(tokens)) if isinstance(peers, Replicas) else (
         lambda: next((p for p in peers if p.up), None))
     up = place()
     if up is not None or timeout <= 0:
@@ -243,7 +250,7 @@ class Recovery:
         left = self.req.remaining()
         limit = d.cfg.peer_wait_s if self.attempt == 0 else (d.cfg.recovery_wait_s or left)
         wait = min(limit, left)
-        peer = await first_up(self.peers, wait)
+        peer = await first_up(self.peers, wait, self.committed())
         if peer is None:
             names = ", ".join(p.endpoint for p in self.peers)
             if wait >= left:
@@ -339,6 +346,8 @@ class Recovery:
             self.req.stats[f"{self.role}_replica"] = self.peer.name
         if self.peer is not None and isinstance(self.peers, Replicas):
             self.peers.release(self.peer)
+            # its prefix cache keeps what the session committed: the next turn goes there
+            self.peers.affinity.remember(self.committed(), self.peer.name)
 
 
 async def with_recovery(req, peers: list[Peer], role: str, attempt,

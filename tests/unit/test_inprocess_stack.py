@@ -13,6 +13,7 @@ from prometheus_client import REGISTRY
 
 from common.stats import RequestStats
 from stack.inprocess import BackgroundStack
+from tests.conftest import wait_until
 
 PROMPTS = ["def fibonacci(n):\n", "The history of the printing press begins",
            "Once upon a time", "What are three good habits for writing clean Python code?"]
@@ -52,6 +53,25 @@ def test_spec_equals_transformers(stack, ids, reference, policy):
     r = _gen(stack, ids[0], mode="spec", policy=policy)
     assert r.token_ids == reference(ids[0], N)
     assert r.stats["rounds"] >= 1 and r.stats["draft_tokens"] >= 1   # it did speculate
+
+
+def test_a_conversations_next_turn_goes_to_the_replica_that_holds_it(stack, tokenizer,
+                                                                     reference):
+    """Two verifier replicas, idle: placement alone takes turns between them, so turn 2 would
+    land where turn 1's rows are not. Affinity sends it to turn 1's replica, whose prefix cache
+    serves the conversation so far; the output stays transformers'."""
+    replicas = [stack.stack.services[n] for n in ("verifier", "verifier-1")]
+    if not all(v.kv_cache.enabled for v in replicas):
+        pytest.skip("the runner's kernels are not built here")
+    turn1 = tokenizer.encode("A conversation about rivers. " + "The river runs to the sea; " * 12)
+    first = _gen(stack, turn1, mode="cloud-only")
+    # a finished session's rows are cached once its replica drops it (the dispatcher's Close)
+    wait_until(lambda: not any(v.sessions.ids() for v in replicas), 10, "sessions closed")
+    turn2 = turn1 + first.token_ids + tokenizer.encode(" And where does it begin?")
+    second = _gen(stack, turn2, mode="cloud-only")
+    assert second.stats["verifier_replica"] == first.stats["verifier_replica"]
+    assert second.stats["cached_tokens"] >= len(turn1)
+    assert second.token_ids == reference(turn2, N)
 
 
 def _drafter_opens() -> float:

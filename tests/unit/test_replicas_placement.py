@@ -146,6 +146,52 @@ def test_replicas_place_by_reports_and_own_placements():
     assert reps.next_up() is b  # a: 3 + 1 ours since its report = 4 > b: 3
 
 
+def test_affinity_finds_the_longest_remembered_prefix_by_whole_blocks():
+    aff = placement.Affinity(block=4, entries=6)
+    turn1 = list(range(10))                       # two whole blocks and a part
+    aff.remember(turn1, "verifier-1")
+    assert aff.lookup(turn1 + [99] * 8) == ("verifier-1", 8)
+    assert aff.lookup(turn1[:7]) == ("verifier-1", 4)
+    assert aff.lookup([0, 1, 2]) == (None, 0)     # shorter than a block
+    assert aff.lookup([5] + turn1[1:]) == (None, 0)   # differs in the first block
+    aff.remember(turn1[:4] + [7] * 8, "verifier")  # a branch off the first block
+    assert aff.lookup(turn1) == ("verifier-1", 8)
+    assert aff.lookup(turn1[:4]) == ("verifier", 4)   # the latest to hold it
+    aff.remember(list(range(100, 116)), "verifier")   # four blocks more: the oldest forgotten
+    assert len(aff.where) == 6 and aff.lookup(turn1) == (None, 0)
+
+
+def test_affinity_only_breaks_ties_in_sessions():
+    rs = [Estimate("verifier", True, Report(sessions=1)), Estimate("verifier-1", True, Report())]
+    assert placement.choose(rs, 0, prefer="verifier") == 1          # busier: balance wins
+    rs[1] = Estimate("verifier-1", True, Report(sessions=1, queued_tokens=500))
+    assert placement.choose(rs, 1, prefer="verifier") == 0          # tied in sessions: the prefix wins
+    assert placement.choose(rs, 1) == 0 and placement.choose(rs, 0) == 0       # (fewest queued tokens, else)
+    rs[0] = Estimate("verifier", False, Report())
+    assert placement.choose(rs, 0, prefer="verifier") == 1          # a replica that is down: never
+
+
+def test_replicas_remember_where_a_conversation_ended():
+    reps = recovery.replicas(FakeService(), "verifier", "tcp://a:1,tcp://b:1")
+    a, b = reps
+    a.load = b.load = pong(0)
+    turn1 = list(range(200))
+    reps.affinity.remember(turn1, b.name)
+    assert reps.next_up(turn1 + [1, 2, 3]) is b and reps.next_up(turn1 + [1, 2, 3]) is b
+    assert reps.next_up(list(range(500, 700))) is a      # another conversation: turns
+
+
+def test_a_report_taken_while_a_session_ran_does_not_outlive_it():
+    reps = recovery.replicas(FakeService(), "verifier", "tcp://a:1,tcp://b:1")
+    a, b = reps
+    a.load = b.load = pong(0)
+    assert reps.next_up() is a
+    reps.acquire(a)
+    a.load = pong(1)          # a heartbeat while the session runs: it counts the session
+    reps.release(a)
+    assert [e.sessions() for e in reps.estimates()] == [0, 0]
+
+
 def test_replicas_skip_draining_and_refused_until_next_report():
     reps = recovery.replicas(FakeService(), "suffix", "tcp://a:1,tcp://b:1")
     a, b = reps
