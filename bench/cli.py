@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -42,7 +43,13 @@ def main(argv: list[str]) -> int:
             return 2
         if "--json" not in args:
             args += ["--json", str(Path(plot_path).with_suffix(".json"))]
-    rc = module.main(args) or 0
+    # SIGTERM unwinds like Ctrl-C, so a bench stops the services it started (its finally blocks)
+    signal.signal(signal.SIGTERM, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        rc = module.main(args) or 0
+    except KeyboardInterrupt:
+        print(f"tandem bench {argv[0]}: interrupted; its services are stopped", file=sys.stderr)
+        return 130
     if plot_path and rc == 0:
         from bench.plots import plot
         doc = json.loads(Path(args[args.index("--json") + 1]).read_text())
