@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from common.runner import LayerRangeRunner, Segment
+from common.runner import Segment
 from services.prefix.service import run_prefixes
 from services.suffix.executor import Item, execute, padded_forward
 from services.suffix.planning import SCHEDULERS, Call, Request, RoundRobin, plan_window, validate_plan
@@ -34,8 +34,8 @@ def one_thread(hf_model):
 
 
 @pytest.fixture(scope="module")
-def runner(model_paths, one_thread):
-    return LayerRangeRunner(model_paths.target)
+def runner(target_runner, one_thread):
+    return target_runner
 
 
 @pytest.fixture(scope="module")
