@@ -10,6 +10,23 @@ from common.runner import LayerRangeRunner
 from tests.unit.test_architectures import CONFIGS, build
 
 
+@pytest.fixture(scope="session")
+def target_runner(model_paths):
+    """The bundled target on one LayerRangeRunner (default products) for the modules that read
+    it: it holds no session state (each test makes its own KV caches), and a load takes seconds."""
+    return LayerRangeRunner(model_paths.target)
+
+
+@pytest.fixture(scope="session")
+def default_stack(model_paths):
+    """One in-process stack (stack/inprocess.py), a replica of each service, for the modules whose
+    tests leave it as they found it (caches cleared, budgets restored): a start takes seconds."""
+    from stack.inprocess import BackgroundStack
+    s = BackgroundStack()
+    yield s
+    s.close()
+
+
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def tiny(request, tmp_path_factory):
     """Each supported family as a tiny seeded random model (tests/unit/test_architectures.py):

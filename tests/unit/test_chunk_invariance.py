@@ -11,8 +11,8 @@ from common.runner import LayerRangeRunner, Segment
 
 
 @pytest.fixture(scope="module")
-def runner(model_paths):
-    r = LayerRangeRunner(model_paths.target)
+def runner(target_runner):
+    r = target_runner
     if not r.chunk_invariant:
         pytest.skip("the runner's kernels are not built here (chunk invariance is theirs)")
     return r

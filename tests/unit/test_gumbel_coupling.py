@@ -120,11 +120,8 @@ SAMPLED = dict(temperature=0.8, top_p=0.95, sampling_coupling="gumbel")
 
 
 @pytest.fixture(scope="module")
-def stack(model_paths):
-    from stack.inprocess import BackgroundStack
-    s = BackgroundStack()
-    yield s
-    s.close()
+def stack(default_stack):
+    return default_stack
 
 
 def _gen(stack, ids, seed, **kw):

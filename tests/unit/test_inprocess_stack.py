@@ -170,22 +170,25 @@ def _sessions_per_forward(stack, service: str):
     return seen, lambda: setattr(svc, "step", original)
 
 
+async def _admitting(s, name: str, admitting: bool) -> None:
+    """Set whether replica `name` takes new sessions (as its drain sets it: Pongs say not ready),
+    and wait until the dispatcher sees it so."""
+    s.services[name].draining = not admitting
+    peer = next(p for p in s.services["dispatcher"].peers if p.name == name)
+    for _ in range(400):
+        if peer.up == admitting:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"the dispatcher still sees {name} {'down' if admitting else 'up'}")
+
+
 @pytest.mark.parametrize("mode,service", [("cloud-only", "verifier"), ("split", "suffix")])
 def test_batched_equals_one_by_one_and_forwards_held_several_sessions(stack, ids, reference,
                                                                       mode, service):
-    """Four concurrent requests, all on replica 0 (the other is stopped meanwhile): every output
+    """Four concurrent requests, all on replica 0 (the other admits none meanwhile): every output
     equals transformers', and at least one forward carried more than one session."""
     other = f"{service}-1"
-
-    async def stop_other(s):
-        await s.stop(other)
-        peer = next(p for p in s.services["dispatcher"].peers if p.name == other)
-        for _ in range(400):   # the dispatcher sees it gone: every request goes to replica 0
-            if not peer.up:
-                return
-            await asyncio.sleep(0.05)
-        raise AssertionError(f"the dispatcher still sees {other} up")
-    stack.call(stop_other)
+    stack.call(lambda s: _admitting(s, other, False))
     seen, restore = _sessions_per_forward(stack, service)
     try:
         async def go(s):
@@ -197,7 +200,7 @@ def test_batched_equals_one_by_one_and_forwards_held_several_sessions(stack, ids
         results = stack.call(go)
     finally:
         restore()
-        stack.call(lambda s: s.start(other))
+        stack.call(lambda s: _admitting(s, other, True))
     for p, r in zip(ids, results):
         assert r.token_ids == reference(p, N)
     assert max(seen) > 1, f"no forward held more than one session: {seen}"

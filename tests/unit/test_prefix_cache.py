@@ -113,12 +113,8 @@ def test_a_disabled_cache_keeps_nothing_but_still_budgets():
 
 # --- through the in-process stack -------------------------------------------------------------
 @pytest.fixture(scope="module")
-def stack(model_paths):
-    from stack.inprocess import BackgroundStack
-
-    s = BackgroundStack()
-    yield s
-    s.close()
+def stack(default_stack):
+    return default_stack
 
 
 def test_reused_rows_give_a_full_prefills_logits_bits(stack, tokenizer):

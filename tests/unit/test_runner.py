@@ -23,8 +23,8 @@ NEAR_TIE = 1e-4
 
 
 @pytest.fixture(scope="module")
-def runner(model_paths):
-    return LayerRangeRunner(model_paths.target)
+def runner(target_runner):
+    return target_runner
 
 
 @pytest.fixture(scope="module")

@@ -21,8 +21,10 @@ LOGIT_TOL = 3e-4   # as tests/unit/test_runner.py: the runner's sums vs transfor
 
 
 @pytest.fixture(scope="module")
-def runners(model_paths):
-    return {kind: LayerRangeRunner(model_paths.target, gemm=kind) for kind in ("panel", "onednn")}
+def runners(model_paths, target_runner):
+    panel = target_runner if target_runner.gemm == "panel" else \
+        LayerRangeRunner(model_paths.target, gemm="panel")
+    return {"panel": panel, "onednn": LayerRangeRunner(model_paths.target, gemm="onednn")}
 
 
 @pytest.fixture
@@ -241,13 +243,11 @@ def test_read_bandwidth_case_measures_a_bandwidth():
     assert 1e8 < sample() < 1e13   # bytes/s: a sample, not a unit mix-up
 
 
-def test_product_flops_count_the_models_parameters(runners, model_paths):
+def test_product_flops_count_the_models_parameters(runners, hf_model):
     """The compute floor's FLOP, against the parameter count transformers' own model gives:
     2 FLOP per weight per row through the layers' projections, and per logit row through the LM
     head (tied to the embedding in SmolLM2: counted once as a parameter, read per logit row)."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(str(model_paths.target), dtype=torch.float32)
+    hf = hf_model
     proj = sum(p.numel() for n, p in hf.model.layers.named_parameters() if p.dim() == 2)
     head = hf.lm_head.weight.numel()
     for kind in ("panel", "onednn"):

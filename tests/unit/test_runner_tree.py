@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from common import tree
-from common.runner import LayerRangeRunner, Segment
+from common.runner import Segment
 from tests.unit.test_architectures import PROMPT, assert_close, hf_logits
 
 # Branching at the root and below, depth 4, a deep node whose ancestors are not its neighbours.
@@ -59,8 +59,8 @@ def test_move_rows_keeps_one_path_then_decoding_goes_on(tiny):
     assert_close(got, want[-2:], f"{name} after move_rows")
 
 
-def test_smollm2_tree_batched_beside_a_chain(model_paths, hf_model, tokenizer):
-    runner = LayerRangeRunner(model_paths.target)
+def test_smollm2_tree_batched_beside_a_chain(target_runner, hf_model, tokenizer):
+    runner = target_runner
     prompt = tokenizer.encode("The history of the printing press begins")
     other_prompt = tokenizer.encode("def add(a, b):\n    return")
     # real continuations and alternatives: each node's children are transformers' top tokens

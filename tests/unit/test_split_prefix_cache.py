@@ -18,15 +18,10 @@ N = 8
 
 
 @pytest.fixture(scope="module")
-def stack(model_paths):
-    from stack.inprocess import BackgroundStack
-
-    s = BackgroundStack()
-    if not s.stack.services["suffix"].kv_cache.enabled:
-        s.close()
+def stack(default_stack):
+    if not default_stack.stack.services["suffix"].kv_cache.enabled:
         pytest.skip("the runner's kernels are not built here: split mode caches nothing")
-    yield s
-    s.close()
+    return default_stack
 
 
 def _caches(stack):

@@ -16,7 +16,6 @@ import torch
 from common import protocol as p
 from common import tree
 from stack.launcher import free_port
-from common.runner import LayerRangeRunner
 from services.verifier.config import VerifierConfig
 from services.verifier.service import Verifier
 
@@ -63,8 +62,8 @@ def results(replies):
 
 
 @pytest.fixture(scope="module")
-def runner(model_paths):
-    return LayerRangeRunner(model_paths.target)
+def runner(target_runner):
+    return target_runner
 
 
 def top(hf_model, ids, k):
