@@ -224,6 +224,8 @@ class DraftModel:
             for c in self.idle:
                 if c.key == key or not bitwise and c.key[2:] == key[2:]:
                     n = reusable_prefix(c, head, bitwise)
+                    if c.key != key and n == 0:
+                        continue   # nothing to carry over: not worth another key's context
                     if n >= keep:                  # ties: the most recently returned
                         best, keep = c, n
             if best is not None:

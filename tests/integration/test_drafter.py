@@ -217,6 +217,11 @@ def test_a_conversations_next_turn_keeps_the_last_turns_cells(model, drafter_pat
         s = pooled.session(turn2_prompt + [prompt[0]], 512, seeded)
         assert s.reused == 0, "a seeded session kept cells evaluated in another batching"
         s.close()
+
+        idle = len(pooled.idle)   # a context of another size that shares nothing stays pooled
+        other = pooled.session([t + 1 for t in prompt], 1024, Sampling())
+        assert other.reused == 0 and len(pooled.idle) == idle
+        other.close()
     finally:
         pooled.close()
 
