@@ -25,14 +25,19 @@ says what they were and how they were chosen (`tuned_params`). `--no-tune` measu
 at its defaults instead. `auto` (the dispatcher chooses the mode per request and may switch
 mid-request) has no knobs: its speculative stretches carry pipesd's, and before the measurement it
 serves as many tuning requests as each BO ran, so its estimates start from the tuning prompts;
-its row says where its tokens went (`auto_token_share`).
+its row says where its tokens went (`auto_token_share`). `auto-slo` is auto with a time-per-token
+target (`tpt_slo_ms`) of 1.25x cloud-only's mean TPT on the first tuning prompts, measured just
+before: it should take the least cloud work that meets the target. Every row then says how many
+of its requests met that target and its cloud CPU per token over cloud-only's, and the run ends
+with auto's verdicts (bench/report.py `auto_goals`).
 
 Measurement. Every policy runs every test prompt, the policies interleaved (order reversed on
 every other prompt) so machine drift spreads over all of them; per policy and prompt: TPT (request
 wall time / tokens, PipeSD's headline figure), acceptance, draft length, cloud forwards per token,
 CPU-seconds per token of each process (edge: drafter + dispatcher; cloud: the verifier, on one
 pinned thread: its compute seconds) read from /proc around each request (requests run one at a
-time), and whether the output is identical to transformers' generate(do_sample=False).
+time), the time to the first token, and whether the output is identical to transformers'
+generate(do_sample=False).
 
 Bound. `oracle-trigger` is a policy: it verifies exactly at the first draft the target rejects
 (its reference generation is not counted in its TPT) but drafts nothing proactively, so others
@@ -69,7 +74,7 @@ from pathlib import Path
 
 from bench import workloads
 from bench.bound import Costs, bound
-from bench.report import BASELINES, summary, table, write_json
+from bench.report import AUTO, BASELINES, auto_goals, summary, table, write_json
 from bench.spec_costs import cpu_seconds, draft_matches, energy_note, rapl_joules, verify_curve
 from bench.stats import mean_ci, ratio_ci
 from bench.tuning import DEFAULTS, PolicyTuner, knob_policy
@@ -77,7 +82,9 @@ from stack.launcher import Cluster, free_port
 from common.progress import Progress
 
 POLICIES = ["cloud-only", "vanilla", "hsl", "edgellm", "pipesd", "pipesd-stream",
-            "pipesd-learned", "oracle-trigger", "auto"]
+            "pipesd-learned", "oracle-trigger", "auto", "auto-slo"]
+SLO_OVER_CLOUD = 1.25   # auto-slo's target: this times cloud-only's TPT on the tuning prompts
+SLO_PROMPTS = 8         # tuning prompts cloud-only runs to set that target
 TREE_POLICIES = ["tree", "tree-stream"]   # run when named in --policies
 EDGE_QUOTA = {"s2": 0.5, "s3": 0.25}   # slower edges: the drafter's share of its one core
 LINK_OF = {"s2": "s1", "s3": "s1"}     # ... on S1's link
@@ -252,7 +259,12 @@ def run_request(c, p: str, ids: list[int], n: int, knobs: dict | None = None,
     """One request of policy `p` ("pipesd@R1:R2": pipesd held at those thresholds; `knobs`: the
     policy held at those knob values, see bench/tuning.py)."""
     p, thresholds = parse_policy(p)
-    kw = {"mode": p} if p in ("cloud-only", "auto") else {"mode": "spec", "policy": p}
+    if p in AUTO:
+        kw = {"mode": "auto"}
+    elif p == "cloud-only":
+        kw = {"mode": p}
+    else:
+        kw = {"mode": "spec", "policy": p}
     if thresholds is not None:
         kw["nav_thresholds"] = thresholds
     elif knobs:
@@ -261,7 +273,7 @@ def run_request(c, p: str, ids: list[int], n: int, knobs: dict | None = None,
     return r, r.stats
 
 
-RUN_STATS = ("acceptance_rate", "mean_draft_length", "cloud_forwards_per_token", "rounds",
+RUN_STATS = ("ttft_s", "acceptance_rate", "mean_draft_length", "cloud_forwards_per_token", "rounds",
              "segments",
              "accepted_tokens",
              "proactive_kept", "proactive_discarded", "early_rejects", "thresholds", "window",
@@ -310,15 +322,16 @@ class Meter:
 
 
 def measured_request(c, p: str, ids: list[int], n: int, knobs, meter: Meter,
-                     ref: list[int] | None) -> dict:
+                     ref: list[int] | None, **extra) -> dict:
     (cpu0, j0) = meter.read()
-    r, st = run_request(c, p, ids, n, knobs)
+    r, st = run_request(c, p, ids, n, knobs, **extra)
     (cpu1, j1) = meter.read()
     tokens = max(1, len(r.token_ids))
     d = {k: cpu1[k] - cpu0[k] for k in cpu0}
     return {"tpt_s": st["tpt_s"], "tokens": len(r.token_ids),
             "identical": None if ref is None else r.token_ids == ref,
             "edge_cpu_s_per_token": sum(d.get(k, 0.0) for k in EDGE) / tokens,
+            **{f"{k}_cpu_s_per_token": d.get(k, 0.0) / tokens for k in EDGE},
             "cloud_s_per_token": d.get(CLOUD, 0.0) / tokens,
             "joules_per_token": None if j0 is None or j1 is None else (j1 - j0) / tokens,
             # vLLM's acceptance length less the bonus token
@@ -364,11 +377,14 @@ def _knobs(k: dict | None) -> str:
 
 
 def policy_rows(runs: dict[str, list[dict]], test_names: list[str], bound_tpt_ms: dict[str, float],
-                tuned: dict[str, dict], **fields) -> list[dict]:
+                tuned: dict[str, dict], slo_ms: float | None = None, **fields) -> list[dict]:
     """One row per policy. Per-prompt means (over repeats) are paired across policies (same
     prompts, same order): every ratio is a ratio of means over the test prompts, with its 95 %
-    bootstrap interval."""
+    bootstrap interval. With auto-slo's target `slo_ms`, every row says how many of its requests
+    met it and its cloud work per token over cloud-only's."""
     per_prompt: dict[str, list[float]] = {}
+    cloud_per_prompt: dict[str, list[float]] = {}
+    ttft_per_prompt: dict[str, list[float]] = {}
     rows = []
     bound_vec = [bound_tpt_ms[k] for k in test_names]
     for p, rs in runs.items():
@@ -377,6 +393,10 @@ def policy_rows(runs: dict[str, list[dict]], test_names: list[str], bound_tpt_ms
         vec = [statistics.fmean(x["tpt_s"] * 1000 for x in rs if x["prompt"] == k)
                for k in test_names]
         per_prompt[p] = vec
+        ttft_per_prompt[p] = [statistics.fmean(x.get("ttft_s") or 0.0 for x in rs
+                                               if x["prompt"] == k) for k in test_names]
+        cloud_per_prompt[p] = [statistics.fmean(x["cloud_s_per_token"] for x in rs
+                                                if x["prompt"] == k) for k in test_names]
         ms = [x["tpt_s"] * 1000 for x in rs]
         s = summary(ms)
 
@@ -389,6 +409,7 @@ def policy_rows(runs: dict[str, list[dict]], test_names: list[str], bound_tpt_ms
                      "tpt_ms_median": s["median"], "tpt_ms_spread": s["iqr"],
                      "tpt_ms_min": s["min"], "tpt_ms_max": s["max"],
                      "tpt_ms_by_prompt": dict(zip(test_names, vec)),
+                     "ttft_ms": statistics.fmean(ttft_per_prompt[p]) * 1000 or None,
                      "tuned_params": tuned.get(p, {"knobs": None, "how": "no knobs"}),
                      "tpt_over_bound": statistics.fmean(vec) / statistics.fmean(bound_vec),
                      "tpt_over_bound_ci95": ratio_ci(vec, bound_vec),
@@ -402,6 +423,7 @@ def policy_rows(runs: dict[str, list[dict]], test_names: list[str], bound_tpt_ms
                      if p != "cloud-only" else 1.0,
                      "cloud_s_per_token": mean("cloud_s_per_token"),
                      "edge_cpu_s_per_token": mean("edge_cpu_s_per_token"),
+                     **{f"{k}_cpu_s_per_token": mean(f"{k}_cpu_s_per_token") for k in EDGE},
                      "joules_per_token": mean("joules_per_token"),
                      "proactive_kept": sum(x.get("proactive_kept") or 0 for x in rs),
                      "proactive_discarded": sum(x.get("proactive_discarded") or 0 for x in rs),
@@ -409,13 +431,17 @@ def policy_rows(runs: dict[str, list[dict]], test_names: list[str], bound_tpt_ms
                      "identical_to_reference": all(x["identical"] for x in rs),
                      "identical_runs": f"{sum(bool(x['identical']) for x in rs)}/{len(rs)}",
                      "runs": rs})
-        if p == "auto":   # where auto's tokens went: the share of each mode (or policy)
+        if p in AUTO:   # where auto's tokens went: the share of each mode (or policy)
             went: dict[str, int] = {}
             for x in rs:
                 for seg in x.get("segments") or []:
                     went[seg["policy"]] = went.get(seg["policy"], 0) + seg["tokens"]
             total = sum(went.values()) or 1
             rows[-1]["auto_token_share"] = {k: v / total for k, v in sorted(went.items())}
+        if slo_ms:
+            rows[-1]["slo_ms"] = slo_ms
+            rows[-1]["slo_met"] = f"{sum(m <= slo_ms for m in ms)}/{len(ms)}"
+            rows[-1]["slo_hit_rate"] = sum(m <= slo_ms for m in ms) / len(ms)
     by = {r["policy"]: r for r in rows}
     present = [b for b in BASELINES if b in by]
     best = min(present, key=lambda b: by[b]["tpt_ms"]) if present else None
@@ -427,6 +453,18 @@ def policy_rows(runs: dict[str, list[dict]], test_names: list[str], bound_tpt_ms
                 # > 1: this policy is faster than the reference (its TPT is lower)
                 r[key] = statistics.fmean(per_prompt[ref]) / statistics.fmean(vec)
                 r[key + "_ci95"] = ratio_ci(per_prompt[ref], vec)
+        if "cloud-only" in per_prompt and r["policy"] != "cloud-only":
+            if all(ttft_per_prompt["cloud-only"]):
+                # > 1: this policy's first token comes later than cloud-only's
+                r["ttft_vs_cloud_only"] = statistics.fmean(ttft_per_prompt[r["policy"]]) / \
+                    statistics.fmean(ttft_per_prompt["cloud-only"])
+                r["ttft_vs_cloud_only_ci95"] = ratio_ci(ttft_per_prompt[r["policy"]],
+                                                        ttft_per_prompt["cloud-only"])
+            # < 1: this policy asks less of the cloud per token than cloud-only
+            r["cloud_vs_cloud_only"] = statistics.fmean(cloud_per_prompt[r["policy"]]) / \
+                statistics.fmean(cloud_per_prompt["cloud-only"])
+            r["cloud_vs_cloud_only_ci95"] = ratio_ci(cloud_per_prompt[r["policy"]],
+                                                     cloud_per_prompt["cloud-only"])
         if best and best != r["policy"] and by[best]["edge_cpu_s_per_token"]:
             r["edge_cpu_vs_best_baseline"] = r["edge_cpu_s_per_token"] / by[best]["edge_cpu_s_per_token"]
         r["best_baseline"] = best
@@ -504,12 +542,13 @@ COLUMNS = [("policy", "policy"), ("tpt_ms", "TPT ms (mean/prompt)"), ("ci95", "9
            ("acceptance_rate", "acceptance"), ("accepted_tokens_per_round", "acc/round"),
            ("mean_draft_length", "draft len"),
            ("cloud_forwards_per_token", "cloud fwd/tok"), ("cloud_s_per_token", "cloud s/tok"),
-           ("edge_cpu_s_per_token", "edge CPU s/tok"), ("identical_runs", "identical to ref")]
+           ("edge_cpu_s_per_token", "edge CPU s/tok"), ("ttft_ms", "TTFT ms"),
+           ("slo_met", "SLO met"), ("identical_runs", "identical to ref")]
 
 
 def summarize(runs: dict[tuple, list[dict]], uplinks: list, policies: list[str],
               test_names: list[str], matches: dict[str, list[bool]], n: int, rtt: float,
-              verify_s: list[float], tuned: dict[str, dict]):
+              verify_s: list[float], tuned: dict[str, dict], slo_ms: float | None = None):
     """Rows over the test prompts every policy has finished (all of them at the end of a run;
     fewer in a checkpoint), per uplink: (rows, bound violations, [(uplink, rows, bound TPT)])."""
     rows, violations, parts = [], [], []
@@ -519,23 +558,24 @@ def summarize(runs: dict[tuple, list[dict]], uplinks: list, policies: list[str],
         if not names:
             continue
         part_runs = {p: [x for x in runs[u, p] if x["prompt"] in names] for p in policies}
-        bound_ms = {}
-        # The verify curve was timed in this process; the verifier service itself may have run
-        # faster (less contention then). Cloud-only runs one forward per token after one round
-        # trip, so its fastest per-token time less rtt / n caps verify_s[0]: the curve is scaled
-        # down to it, never up (a bound may only err low).
-        cloud = [x["tpt_s"] - rtt / n for x in part_runs.get("cloud-only", [])]
-        scale = min(1.0, max(0.0, min(cloud)) / verify_s[0]) if cloud and verify_s[0] > 0 else 1.0
-        curve = tuple(v * scale for v in verify_s)
+        link_costs = {}   # per prompt: the least γ, α, β any policy measured on it
         for k in names:
             spec_runs = [x for p in policies for x in part_runs[p]
                          if x["prompt"] == k and x.get("gamma_s") is not None]
-            costs = Costs(gamma_s=min(x["gamma_s"] for x in spec_runs) if spec_runs else 0.0,
-                          alpha_s=min(x["alpha_s"] for x in spec_runs) if spec_runs else 0.0,
-                          beta_s=min(x["beta_s"] for x in spec_runs) if spec_runs else 0.0,
-                          rtt_s=rtt, verify_s=curve)
-            bound_ms[k] = bound(matches[k][:n], costs) / n * 1000
-        part = policy_rows(part_runs, names, bound_ms, tuned,
+            link_costs[k] = {key: min(x[key] for x in spec_runs) if spec_runs else 0.0
+                             for key in ("gamma_s", "alpha_s", "beta_s")}
+        # The verify curve was timed in this process; the verifier service itself may have run
+        # faster (less contention then). Cloud-only runs one forward per token after one round
+        # trip, so on every prompt its TPT less (rtt + α) / n caps verify_s[0] (the bound's
+        # cloud run of n tokens then takes no longer than cloud-only did): the curve is scaled
+        # down to the least of these, never up (a bound may only err low).
+        cloud = [x["tpt_s"] - (rtt + link_costs[x["prompt"]]["alpha_s"]) / n
+                 for x in part_runs.get("cloud-only", [])]
+        scale = min(1.0, max(0.0, min(cloud)) / verify_s[0]) if cloud and verify_s[0] > 0 else 1.0
+        curve = tuple(v * scale for v in verify_s)
+        bound_ms = {k: bound(matches[k][:n], Costs(**link_costs[k], rtt_s=rtt, verify_s=curve))
+                    / n * 1000 for k in names}
+        part = policy_rows(part_runs, names, bound_ms, tuned, slo_ms,
                            **({} if u is None else {"uplink_mbit": u}))
         for r in part:
             r["bound_tpt_ms"] = statistics.fmean(bound_ms.values())
@@ -714,15 +754,21 @@ class Measured:
     tuned: dict[str, dict] = field(default_factory=dict)
     load_rows: list[dict] = field(default_factory=list)
     prompt_tokens: dict | None = None
+    slo_ms: float | None = None     # auto-slo's time-per-token target
 
     def knobs_of(self, p: str) -> dict | None:
         """The knobs a request of `p` carries: auto's speculative stretches run pipesd's."""
-        return self.knobs.get("pipesd" if p == "auto" else p)
+        return self.knobs.get("pipesd" if p in AUTO else p)
+
+    def extra_of(self, p: str) -> dict:
+        """What else a request of `p` carries: auto-slo its target."""
+        return {"tpt_slo_ms": self.slo_ms} if p == "auto-slo" else {}
 
 
 def summarize_runs(plan: Plan, prompts: Prompts, bound_in: BoundInputs, measured: Measured):
     return summarize(measured.runs, plan.uplinks, plan.policies, prompts.test_names,
-                     bound_in.matches, plan.n, bound_in.rtt, bound_in.verify_s, measured.tuned)
+                     bound_in.matches, plan.n, bound_in.rtt, bound_in.verify_s, measured.tuned,
+                     measured.slo_ms)
 
 
 def save_results(plan: Plan, prompts: Prompts, bound_in: BoundInputs, measured: Measured,
@@ -778,23 +824,39 @@ def tune_policies(c, plan: Plan, prompts: Prompts, measured: Measured) -> None:
             measured.tuned[p] = {"knobs": measured.knobs[p], "how": "defaults (--no-tune)"}
     elif plan.knobbed:
         tune_knobbed(c, plan, prompts, measured, names)
-    if "auto" in plan.policies:
+    if "auto-slo" in plan.policies:
+        set_slo(c, plan, prompts, measured, names)
+    if any(p in AUTO for p in plan.policies):
         warm_auto(c, plan, prompts, measured, names)
+
+
+def set_slo(c, plan: Plan, prompts: Prompts, measured: Measured, names: list[str]) -> None:
+    """auto-slo's target: SLO_OVER_CLOUD times cloud-only's mean TPT on (up to SLO_PROMPTS of)
+    the tuning prompts, so nothing measured sets it."""
+    tpts = [run_request(c, "cloud-only", prompts.tune_ids[k], plan.n)[1]["tpt_s"]
+            for k in names[:SLO_PROMPTS]]
+    measured.slo_ms = SLO_OVER_CLOUD * statistics.fmean(tpts) * 1000
+    print(f"# auto-slo target: {measured.slo_ms:.1f} ms per token ({SLO_OVER_CLOUD}x cloud-only's "
+          f"{statistics.fmean(tpts) * 1000:.1f} ms on {len(tpts)} tuning prompts)", flush=True)
 
 
 def warm_auto(c, plan: Plan, prompts: Prompts, measured: Measured, names: list[str]) -> None:
     """auto has no knobs; it learns its estimates from the requests it serves. Before the
     measurement it serves as many tuning requests as each knobbed policy's BO ran (controls
     not counted), on the same tuning prompts, so it starts the measurement as informed as the
-    others are tuned; it goes on learning during the measurement, as it would in service."""
+    others are tuned; it goes on learning during the measurement, as it would in service (its
+    estimates are the dispatcher's, shared by auto and auto-slo, and fed by every request)."""
     n = 0 if plan.args.no_tune else plan.budget * plan.window
+    autos = [p for p in plan.policies if p in AUTO]
     for i in range(n):
-        run_request(c, "auto", prompts.tune_ids[names[i % len(names)]], plan.n,
-                    measured.knobs_of("auto"))
-    measured.tuned["auto"] = {"knobs": measured.knobs_of("auto"),
-                              "how": f"pipesd's knobs in its speculative stretches; estimates "
-                                     f"warmed on {n} tuning requests",
-                              "warm_requests": n}
+        p = autos[i % len(autos)]
+        run_request(c, p, prompts.tune_ids[names[i % len(names)]], plan.n,
+                    measured.knobs_of(p), **measured.extra_of(p))
+    for p in autos:
+        measured.tuned[p] = {"knobs": measured.knobs_of(p),
+                             "how": f"pipesd's knobs in its speculative stretches; estimates "
+                                    f"warmed on {n} tuning requests",
+                             "warm_requests": n, **measured.extra_of(p)}
 
 
 def tune_knobbed(c, plan: Plan, prompts: Prompts, measured: Measured, names: list[str]) -> None:
@@ -837,7 +899,8 @@ def measure_interleaved(c, link, note: str, meter: Meter, plan: Plan, prompts: P
                     for p in order:
                         bar.stage(f"{p} {k} rep {rep}")
                         x = measured_request(c, p, prompts.test_ids[k], plan.n,
-                                             measured.knobs_of(p), meter, bound_in.ref[k])
+                                             measured.knobs_of(p), meter, bound_in.ref[k],
+                                             **measured.extra_of(p))
                         measured.runs[u, p].append({"prompt": k, "repeat": rep, **x})
                         bar.write(f"  {p:14s} {k:16s} rep {rep}: TPT "
                                   f"{x['tpt_s'] * 1000:7.1f} ms  identical={x['identical']}")
@@ -884,8 +947,14 @@ def print_comparison(parts: list, violations: list[str], note: str, prompts: Pro
             print(f"# pipesd TPT / clairvoyant bound: {by['pipesd']['tpt_over_bound']:.3f}, "
                   f"95% CI {_ci(by['pipesd']['tpt_over_bound_ci95'])} "
                   f"(bound TPT {bound_tpt_ms:.1f} ms)")
+        print_auto(part)
     for v in violations:
         print(f"# BUG: a policy measured faster than the clairvoyant bound — {v}")
+
+
+def print_auto(part: list[dict]) -> None:
+    for goal, target, got, status in auto_goals(part):
+        print(f"# {goal}: {got} (goal {target}: {status})")
 
 
 def load_summary(plan: Plan, load_rows: list[dict]) -> dict | None:

@@ -104,6 +104,57 @@ def _fmt(v) -> str:
     return "" if v is None else str(v)
 
 
+AUTO = ("auto", "auto-slo")   # rows where the dispatcher chose the mode
+
+
+def auto_goals(rows: list[dict]) -> list[list[str]]:
+    """auto's verdicts on one run's rows (DESIGN.md §10), as [goal, target, this run, status]:
+    its time per token against the best fixed choice and cloud-only, its first token against
+    cloud-only's, and auto-slo's target met with the cloud work it cost."""
+    from bench.stats import ratio_ci
+    by = {r["policy"]: r for r in rows}
+    fixed = [r for r in rows if r["policy"] not in AUTO and r["policy"] != "oracle-trigger"]
+    out = []
+
+    def ci(v):
+        return f"[{v[0]:.3g}, {v[1]:.3g}]" if v else "n/a"
+
+    def vs(r, ref):
+        names = list(r["tpt_ms_by_prompt"])
+        a = [r["tpt_ms_by_prompt"][k] for k in names]
+        b = [ref["tpt_ms_by_prompt"][k] for k in names]
+        return statistics.fmean(a) / statistics.fmean(b), ratio_ci(a, b)
+    if "auto" in by and fixed:
+        r, best = by["auto"], min(fixed, key=lambda x: x["tpt_ms"])
+        x, c = vs(r, best)
+        out.append([f"auto TPT / best fixed ({best['policy']})", "<= 1.05", f"{x:.3f} {ci(c)}",
+                    "met" if x <= 1.05 else "NOT met"])
+        if "cloud-only" in by:
+            x, c = vs(r, by["cloud-only"])
+            out.append(["auto TPT / cloud-only", "CI upper end <= 1.02", f"{x:.3f} {ci(c)}",
+                        "met" if c and c[1] <= 1.02 else "NOT met"])
+            x, c = r.get("ttft_vs_cloud_only"), r.get("ttft_vs_cloud_only_ci95")
+            if x is not None:
+                out.append(["auto first token / cloud-only's", "<= 1.1", f"{x:.3f} {ci(c)}",
+                            "met" if x <= 1.1 else "NOT met"])
+    if "auto-slo" in by and "cloud-only" in by and by["auto-slo"].get("slo_ms"):
+        r = by["auto-slo"]
+        meeting = [x["policy"] for x in fixed if x["policy"] != "cloud-only"
+                   and x.get("slo_hit_rate", 0) >= 0.95]
+        out.append([f"auto-slo requests within {r['slo_ms']:.1f} ms per token (1.25x cloud-only "
+                    "on the tuning prompts)", ">= 95 %",
+                    f"{r['slo_met']} ({r['slo_hit_rate']:.0%})",
+                    "met" if r["slo_hit_rate"] >= 0.95 else "NOT met"])
+        x, c = r["cloud_vs_cloud_only"], r["cloud_vs_cloud_only_ci95"]
+        share = ", ".join(f"{k} {v:.0%}" for k, v in r.get("auto_token_share", {}).items())
+        out.append(["auto-slo cloud CPU per token / cloud-only's",
+                    "<= 0.6 where a speculative policy meets the target",
+                    f"{x:.3f} {ci(c)}; tokens: {share}",
+                    ("met" if x <= 0.6 else "NOT met") if meeting else
+                    "no speculative policy meets the target here"])
+    return out
+
+
 BASELINES = ("vanilla", "hsl", "edgellm")   # the speculative baselines pipesd is measured against
 
 

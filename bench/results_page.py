@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from bench.plots import plot, split_rows
-from bench.report import BASELINES, best_baseline, paired_ratio
+from bench.report import BASELINES, auto_goals, best_baseline, paired_ratio
 from bench.stats import ratio_ci
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,6 +43,10 @@ def _ci(v) -> str:
     if not v or any(x != x for x in v):
         return "n/a"
     return f"[{v[0]:.3g}, {v[1]:.3g}]"
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000
 
 
 def _knobs(tp: dict | None) -> str:
@@ -82,15 +86,16 @@ def spec_workload_section(doc: dict, name: str) -> str:
         "policy", "knobs (how chosen: see above)", "TPT ms", "95 % CI", "TPT / bound", "95 % CI",
         "vs best baseline", "95 % CI", "vs cloud-only", "acceptance", "accepted / round",
         "draft len",
-        "cloud fwd / token", "cloud s / token", "edge CPU s / token", "identical to reference"]
+        "cloud fwd / token", "cloud s / token", "edge CPU s / token", "TTFT ms", "SLO met",
+        "identical to reference"]
     lines.append(_md_table([([r.get("uplink_mbit")] if sweep else []) + [
         r["policy"], _knobs(r.get("tuned_params")), r.get("tpt_ms"), _ci(r.get("ci95")),
         r.get("tpt_over_bound"), _ci(r.get("tpt_over_bound_ci95")), r.get("vs_best_baseline"),
         _ci(r.get("vs_best_baseline_ci95")), r.get("speedup_vs_cloud_only"),
         r.get("acceptance_rate"), r.get("accepted_tokens_per_round"), r.get("mean_draft_length"),
         r.get("cloud_forwards_per_token"),
-        r.get("cloud_s_per_token"), r.get("edge_cpu_s_per_token"), r.get("identical_runs")]
-        for r in rows], cols))
+        r.get("cloud_s_per_token"), r.get("edge_cpu_s_per_token"), r.get("ttft_ms"),
+        r.get("slo_met"), r.get("identical_runs")] for r in rows], cols))
     goals = []
     if "pipesd" in by and by["pipesd"].get("vs_best_baseline"):
         r = by["pipesd"]
@@ -109,6 +114,7 @@ def spec_workload_section(doc: dict, name: str) -> str:
         goals.append(["pipesd's TPT over the bound", "reported (token trees set its goal)",
                       f"{by['pipesd']['tpt_over_bound']:.3f} "
                       f"{_ci(by['pipesd'].get('tpt_over_bound_ci95'))}", "reported"])
+    goals += auto_goals([r for r in rows if not r.get("uplink_mbit")])
     if goals:
         lines += ["", "Goals:", ""]
         lines.append(_md_table(goals, ["goal", "target", "this run", "status"]))
@@ -123,12 +129,15 @@ def spec_workload_section(doc: dict, name: str) -> str:
                       "tuned baseline), with CPU-seconds as the proxy — "
                       f"{doc.get('energy') or 'no power reading'}:", ""]
         lines.append(_md_table([[r["policy"], r["edge_cpu_s_per_token"] * 1000,
+                                 _ms(r.get("drafter_cpu_s_per_token")),
+                                 _ms(r.get("dispatcher_cpu_s_per_token")),
                                  r["cloud_s_per_token"] * 1000,
                                  (r["edge_cpu_s_per_token"] + r["cloud_s_per_token"]) * 1000,
                                  f"{100 * (r['edge_cpu_s_per_token'] / base['edge_cpu_s_per_token'] - 1):+.0f} %"
                                  if base and base["edge_cpu_s_per_token"] else "n/a",
                                  r.get("joules_per_token")] for r in energy],
-                               ["policy", "edge CPU ms / token", "cloud CPU ms / token",
+                               ["policy", "edge CPU ms / token", "of it, drafter",
+                                "of it, dispatcher", "cloud CPU ms / token",
                                 "total CPU ms / token", "edge vs best baseline", "J / token"]))
     b = doc.get("bound") or {}
     if b:

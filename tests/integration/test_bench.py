@@ -54,16 +54,16 @@ def test_bench_spec_quick(tmp_path):
     control (the default knobs on its prompts), and every request paid its prompt: the policies
     run each prompt back to back, and the drafter reused none of one request's prompt KV in
     another."""
-    # cloud-only, two knobbed policies tuned in lockstep, and auto: every path of the bench
-    # (the other policies' knob spaces: tests/unit/test_bench_tuning.py)
+    # cloud-only, two knobbed policies tuned in lockstep, and auto with and without a target:
+    # every path of the bench (the other policies' knob spaces: tests/unit/test_bench_tuning.py)
     doc = bench(tmp_path, "spec", "--workload", "humaneval",
-                "--policies", "cloud-only,edgellm,pipesd,auto")
+                "--policies", "cloud-only,edgellm,pipesd,auto,auto-slo")
     assert doc["workload"] == "humaneval" and doc["tuned"] is True
     assert doc["drafter_prompt_tokens"]["hit"] == 0 and doc["drafter_prompt_tokens"]["miss"] > 0
     assert len(doc["test_prompts"]) == 2 and doc["tuning_prompts"]
     assert not set(doc["test_prompts"]) & set(doc["tuning_prompts"])
     rows = doc["results"]
-    assert {r["policy"] for r in rows} == {"cloud-only", "edgellm", "pipesd", "auto"}
+    assert {r["policy"] for r in rows} == {"cloud-only", "edgellm", "pipesd", "auto", "auto-slo"}
     by = {r["policy"]: r for r in rows}
     for r in rows:
         assert SPEC_FIELDS <= set(r), SPEC_FIELDS - set(r)
@@ -78,7 +78,8 @@ def test_bench_spec_quick(tmp_path):
         knobs = r["tuned_params"]["knobs"]
         if r["policy"] == "cloud-only":
             assert knobs is None
-        elif r["policy"] == "auto":   # pipesd's knobs, and as many tuning requests as a BO ran
+        elif r["policy"] in ("auto", "auto-slo"):
+            # pipesd's knobs, and as many tuning requests as a BO ran
             assert knobs == by["pipesd"]["tuned_params"]["knobs"]
             assert r["tuned_params"]["warm_requests"] == 3
             share = r["auto_token_share"]
@@ -88,7 +89,13 @@ def test_bench_spec_quick(tmp_path):
             assert len(evals) == doc["tune_budget"] == 3
             assert all(e["control_ms"] > 0 for e in evals)
             assert knobs in [e["knobs"] for e in evals]
-    assert "pipesd" in results_page.spec_section(doc, "spec")
+        if r["policy"] != "cloud-only":   # paired with cloud-only's, prompt by prompt
+            assert r["ttft_vs_cloud_only_ci95"] and r["cloud_vs_cloud_only_ci95"]
+        # auto-slo's target, set on a tuning prompt, and every row's count of requests within it
+        assert r["slo_ms"] == by["auto-slo"]["tuned_params"]["tpt_slo_ms"] > 0
+        assert r["slo_met"].endswith("/2")
+    section = results_page.spec_section(doc, "spec")
+    assert "pipesd" in section and "auto-slo cloud CPU per token" in section
 
 
 def test_bench_tuner_quick(tmp_path):
