@@ -98,7 +98,10 @@ def render_replicas(reps: dict) -> list[str]:
     L = ["## Replicas, rolling restarts and supervision (tests/integration/test_replicas_process.py)", ""]
     v = reps.get("rolling restart of every cloud replica under load")
     if v:
-        L += [f"{v['replicas']}. Every cloud replica in turn got SIGTERM — it drains (not "
+        paired = any("replicas" in r for r in v["restarts"])
+        L += [f"{v['replicas']}. Every cloud replica "
+              + ("got SIGTERM, a verifier and a suffix at a time" if paired else
+                 "in turn got SIGTERM") + " — it drains (not "
               f"ready, no new session, drain_s = {v['drain_s']} s for open ones, the rest "
               f"handed back), exits, and is started again — while the load ran: "
               f"{v['requests']} requests, {v['done']} done, {v['errors']} errors, "
@@ -108,7 +111,8 @@ def render_replicas(reps: dict) -> list[str]:
               f"{v['sessions_replayed']} requests replayed "
               f"({_fmt(v['recovery_reasons'])}).", ""]
         L += _table(["replica", "SIGTERM to exit s", "restart to ready s"],
-                    [[r["replica"], r["drain_and_exit_s"], r["restart_to_ready_s"]]
+                    [[r.get("replica") or " + ".join(r["replicas"]), r["drain_and_exit_s"],
+                      r["restart_to_ready_s"]]
                      for r in v["restarts"]])
         rows = [[role, b["samples_both_admitting"], b["max_gap"], b["samples_gap_ge_2"],
                  b["steady_samples"], b["steady_max_gap"], b["steady_samples_gap_ge_2"]]

@@ -509,7 +509,7 @@ def test_http_ports_survive_bad_clients(cluster):
 # --------------------------------------------------------------------------------- atheris
 
 @pytest.mark.slow
-@pytest.mark.parametrize("target,seconds", [("decode", 20), ("verifier", 45)])
+@pytest.mark.parametrize("target,seconds", [("decode", 20), ("verifier", 25)])
 def test_atheris_bounded_run(target, seconds, model_paths, tmp_path):
     """A short coverage-guided run of fuzz/fuzz_service.py (longer ones: run it by hand)."""
     if importlib.util.find_spec("atheris") is None:
