@@ -41,7 +41,10 @@ speculative policy that was never measured cannot be predicted, so it is tried: 
 `explore_every`-th auto request goes to an unmeasured candidate (reason "explore"), and from its
 figures on it is predicted like the rest. Once all are measured, that request goes to the
 candidate measured longest ago, so a mode that stopped being chosen is measured again (its
-figures would otherwise stay those of another load). Split is never explored (chosen at the
+figures would otherwise stay those of another load) — under a target, only among candidates
+predicted to meet it: a request with a target is not spent on a mode predicted to miss it (such
+a mode's prediction still follows the live link, the drafter's speed and the cloud's decode
+step; what it leaves stale is its acceptance and calibration). Split is never explored (chosen at the
 start only, and it pays a round trip per token): it is a candidate once split requests at that
 cut measured it.
 """
@@ -246,10 +249,15 @@ def choose(candidates: list[Candidate], e: Estimates, link: Link, slo_s: float |
             if c.mode == "spec" and not e.measured(c):
                 return Choice(c, EXPLORE)
         if e.t_dec is not None:
-            stalest = min((c for c in candidates if c.mode != "split"),
-                          key=lambda c: e.last.get(c, 0))
-            return Choice(stalest, EXPLORE, tuple(
-                p for p in (predict(c, e, link) for c in candidates) if p is not None))
+            preds = {p.candidate: p for p in (predict(c, e, link) for c in candidates)
+                     if p is not None}
+            # a request with a target is not spent on re-measuring a candidate predicted to
+            # miss it: its target outranks the freshness of the estimates
+            pool = [c for c in candidates if c.mode != "split"
+                    and (slo_s is None or c not in preds or preds[c].tpt_s <= slo_s)]
+            if pool:
+                stalest = min(pool, key=lambda c: e.last.get(c, 0))
+                return Choice(stalest, EXPLORE, tuple(preds.values()))
     if e.t_dec is None:
         return Choice(CLOUD_ONLY, COLD_START)
     preds = tuple(p for p in (predict(c, e, link) for c in candidates) if p is not None)

@@ -50,6 +50,18 @@ def test_explore_remeasures_the_candidate_measured_longest_ago():
     assert ap.choose([CLOUD_ONLY, PIPESD], e, LINK, explore=True).candidate == PIPESD
 
 
+def test_under_a_target_explore_skips_candidates_predicted_to_miss_it():
+    e = measured(t_dec=0.05, spec_tpt=0.03)
+    e.observe_cloud(0.05)                         # spec is now the stalest, and predicted fast
+    assert ap.choose([CLOUD_ONLY, PIPESD], e, LINK, slo_s=0.04, explore=True).candidate == PIPESD
+    slow = measured(t_dec=0.05, spec_tpt=0.09)
+    slow.observe_cloud(0.05)                      # spec the stalest, predicted to miss 0.06
+    c = ap.choose([CLOUD_ONLY, PIPESD], slow, LINK, slo_s=0.06, explore=True)
+    assert (c.candidate, c.reason) == (CLOUD_ONLY, ap.EXPLORE)
+    # with no target it is re-measured all the same
+    assert ap.choose([CLOUD_ONLY, PIPESD], slow, LINK, explore=True).candidate == PIPESD
+
+
 def test_split_is_never_explored_nor_predicted_unmeasured():
     e = measured()
     assert ap.choose([CLOUD_ONLY, SPLIT4], e, LINK, explore=True).candidate == CLOUD_ONLY
