@@ -184,10 +184,11 @@ def encode_prompts(kinds: list[str]) -> dict[str, list[int]]:
 def spec_cluster(scenario: str, drafter: str, bo: bool = True, proactive_depth: int = 1,
                  info: dict | None = None, target: str = ""):
     """Verifier (cloud, core 1) behind the WAN emulator; drafter + dispatcher (edge, core 0).
-    The drafter keeps no context between requests (--context-pool 0): the bench runs each prompt
-    once per policy back to back, and a chain policy after another chain would evaluate only the
-    prompt it does not share with that one's pooled context, while a tree policy's contexts have
-    another key and never share one; each request pays its prompt, as a new user's does.
+    Neither side keeps a prompt between requests (the drafter's --context-pool 0, the verifier's
+    --prefix-cache false): the bench runs each prompt once per policy back to back, and a policy
+    after another would prefill only what that one left uncached, so the policy that happened to
+    run a prompt first would pay for the others' first tokens; each request pays its prompt, as a
+    new user's does.
     Yields (Client, Link or None, note); fills `info` when given: "pids" (service -> pid),
     "endpoint" (the dispatcher's, for more clients) and "drafter_metrics" (its /metrics URL).
     `target`: the model every service loads (a name or a path, as TANDEM_TARGET); "" = the
@@ -198,7 +199,7 @@ def spec_cluster(scenario: str, drafter: str, bo: bool = True, proactive_depth: 
     pin = {"drafter": [0], "dispatcher": [0], "verifier": [1 % cores]}
     env = {"TANDEM_TARGET": str(models.resolve_target(target))} if target else {}
     cluster = Cluster(services=("verifier", "drafter", "dispatcher"), ephemeral=True, pin=pin,
-                      env=env, extra={"verifier": ["--threads", "1"],
+                      env=env, extra={"verifier": ["--threads", "1", "--prefix-cache", "false"],
                              "drafter": ["--threads", "1", "--drafter", drafter,
                                          "--context-pool", "0"],
                              "dispatcher": ["--spec-bo", "true" if bo else "false",

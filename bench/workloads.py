@@ -111,10 +111,14 @@ def split(prompts: list[Prompt], seed: int = 0,
 
 
 def encode(prompts: list[Prompt], tokenizer) -> dict[str, list[int]]:
-    """Token ids by prompt name; chat prompts through the tokenizer's chat template."""
+    """Token ids by prompt name; chat prompts through the tokenizer's chat template (a model
+    without one, such as Gemma 3 270M as prepared here, gets the question as plain text and a
+    line break)."""
     out = {}
     for p in prompts:
-        if p.chat:
+        if p.chat and not getattr(tokenizer, "chat_template", None):
+            out[p.name] = tokenizer.encode(p.text + "\n")
+        elif p.chat:
             ids = tokenizer.apply_chat_template([{"role": "user", "content": p.text}],
                                                 add_generation_prompt=True, tokenize=True,
                                                 return_dict=False)

@@ -44,6 +44,8 @@ from services.dispatcher.spec.verifier_link import OPEN_SEQ
 from services.dispatcher.split_mode import check_cut
 
 NAME = "auto"
+# a speculative stretch's figures, copied into its segment of Stats.segments
+SPEC_FIGURES = ("rounds", "acceptance_rate", "mean_draft_length", "cloud_forwards_per_token")
 
 
 class Auto:
@@ -198,6 +200,8 @@ class Auto:
                         finally:
                             await run.close()
                             forwards += run.forwards
+                            # this stretch's own figures (req.stats holds the last stretch's)
+                            segment.update({k: req.stats.get(k) for k in SPEC_FIGURES})
                         handover, drafter = run.handover, run.drafter_handover
                 finally:
                     req.switcher = None
@@ -222,36 +226,21 @@ class Auto:
                 d.spawn(d.close_remote(*handover))
 
     def observe(self, d, stats: dict) -> None:
-        """A request that finished normally (any mode, chosen or named): its figures feed the
-        estimates. Requests too short to time a decode step, and speculative ones that lost
-        their drafter or ran degraded, teach nothing and are skipped. A speculative request
-        that began cloud-only while its drafter prefilled is timed on its speculative stretch."""
+        """A request that finished normally (any mode, chosen or named): each of its stretches
+        feeds the estimates (auto_policy.stretches says which teach what)."""
+        e, link = self.estimates, self.link(d)
+        for st in auto_policy.stretches(stats):
+            c = st.candidate
+            if c.mode == "cloud-only":
+                e.observe_cloud(st.tpt_s)
+            else:
+                policy = POLICIES.get(c.policy)
+                e.observe_spec(c.policy, link, acceptance=st.acceptance, draft_len=st.draft_len,
+                               forwards_per_token=st.forwards_per_token,
+                               decode_s_per_token=st.tpt_s,
+                               proactive=bool(policy and policy.proactive))
         n = stats.get("generated_tokens") or 0
-        ttft = stats.get("ttft_s")
-        segments = stats.get("segments") or ()
-        if len(segments) == 2 and segments[0]["why"] == auto_policy.CLOUD_FIRST:
-            n, decode = segments[1]["tokens"], segments[1]["seconds"] / max(1, segments[1]["tokens"])
-            if n < 2 or segments[1]["mode"] != stats["mode"]:
-                return
-        elif n < 2 or ttft is None or len(segments) > 1:
-            return   # (a request that switched: its figures mix two modes)
-        else:
-            decode = max(0.0, stats["duration_s"] - ttft) / (n - 1)
-        e = self.estimates
-        if stats["mode"] == "cloud-only":
-            e.observe_cloud(decode)
-        elif stats["mode"] == "spec":
-            if stats.get("drafter_lost") or stats.get("degraded") or not stats.get("rounds") \
-                    or stats.get("acceptance_rate") is None:
-                return
-            policy = POLICIES.get(stats["policy"])
-            e.observe_spec(stats["policy"], self.link(d),
-                           acceptance=stats["acceptance_rate"],
-                           draft_len=stats["mean_draft_length"],
-                           forwards_per_token=stats.get("cloud_forwards_per_token") or 1.0,
-                           decode_s_per_token=decode,
-                           proactive=bool(policy and policy.proactive))
-        elif stats["mode"] == "split" and stats.get("cut"):
+        if stats["mode"] == "split" and stats.get("cut") and n >= 2:
             e.observe_split(stats["cut"], stats.get("edge_forward_s", 0.0) / n,
                             stats.get("cloud_forward_s", 0.0) / n)
 

@@ -163,6 +163,49 @@ def spec_model_tpt(f: SpecFigures, link: Link, t_dec: float) -> float:
         f.acceptance, f.draft_len)
 
 
+MIN_STRETCH_TOKENS = 4   # a stretch shorter than this is too short to time: it teaches nothing
+
+
+@dataclass(frozen=True)
+class Stretch:
+    """What one stretch of a finished request teaches: its candidate, its seconds per token, and
+    for a speculative stretch its acceptance, draft length and verifier forwards per token."""
+    candidate: Candidate
+    tpt_s: float
+    acceptance: float | None = None
+    draft_len: float | None = None
+    forwards_per_token: float | None = None
+
+
+def stretches(stats: dict) -> list[Stretch]:
+    """The stretches a finished request's stats (Done.stats) teach from, each timed on its own:
+    a request that switched teaches each mode it ran, so a request that tried a mode and left it
+    still measures it. The first stretch's first token (the prefill) is not its pace, and is left
+    out. Speculative stretches of a request that lost its drafter or ran degraded, and stretches
+    under MIN_STRETCH_TOKENS, teach nothing; a split stretch's figures are its forwards."""
+    segments = stats.get("segments") or ()
+    ttft = stats.get("ttft_s")
+    spoiled = bool(stats.get("drafter_lost") or stats.get("degraded"))
+    out = []
+    for i, seg in enumerate(segments):
+        n, seconds = seg.get("tokens") or 0, seg.get("seconds")
+        if n < MIN_STRETCH_TOKENS or seconds is None or (i == 0 and ttft is None):
+            continue
+        if i == 0:
+            n, seconds = n - 1, max(0.0, seconds - ttft)
+        if seg["mode"] == "cloud-only":
+            out.append(Stretch(CLOUD_ONLY, seconds / n))
+        elif seg["mode"] == "spec":
+            # a stretch of auto's carries its own figures; a request run as spec, the request's
+            fig = seg if "acceptance_rate" in seg else stats
+            if spoiled or not fig.get("rounds") or fig.get("acceptance_rate") is None:
+                continue
+            out.append(Stretch(Candidate("spec", policy=seg["policy"]), seconds / n,
+                               fig["acceptance_rate"], fig["mean_draft_length"],
+                               fig.get("cloud_forwards_per_token") or 1.0))
+    return out
+
+
 @dataclass
 class Estimates:
     """What this dispatcher measured, kept across sessions; fed by finished requests."""

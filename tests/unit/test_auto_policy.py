@@ -165,3 +165,41 @@ def test_calibration_starts_with_the_first_spec_request_timed_after_cloud_only()
     e.observe_spec("pipesd", LINK, acceptance=0.7, draft_len=6.0, forwards_per_token=0.3,
                    decode_s_per_token=0.08, proactive=True)
     assert ap.predict(PIPESD, e, LINK).tpt_s == pytest.approx(0.08)
+
+
+def _seg(mode, tokens, seconds, policy="", **fig):
+    return {"mode": mode, "policy": policy or mode, "tokens": tokens, "why": "x",
+            "seconds": seconds, **fig}
+
+
+SPEC_FIG = {"rounds": 10, "acceptance_rate": 0.6, "mean_draft_length": 2.0,
+            "cloud_forwards_per_token": 0.5}
+
+
+def test_a_request_that_switched_teaches_each_stretch_on_its_own_time():
+    """cloud-first (the prefill's token left out), a speculative stretch with its own figures,
+    then back to cloud-only: three stretches, each timed alone; the request-level figures (the
+    last stretch's) are not the speculative stretch's."""
+    stats = {"mode": "spec", "ttft_s": 0.1, "generated_tokens": 40, "acceptance_rate": 0.1,
+             "rounds": 3, "mean_draft_length": 9.0,
+             "segments": [_seg("cloud-only", 5, 0.1 + 4 * 0.02),
+                          _seg("spec", 20, 20 * 0.03, "pipesd", **SPEC_FIG),
+                          _seg("cloud-only", 15, 15 * 0.025)]}
+    got = ap.stretches(stats)
+    assert [(str(x.candidate), round(x.tpt_s, 6)) for x in got] == [
+        ("cloud-only", 0.02), ("spec/pipesd", 0.03), ("cloud-only", 0.025)]
+    assert (got[1].acceptance, got[1].draft_len, got[1].forwards_per_token) == (0.6, 2.0, 0.5)
+    e = Estimates()
+    e.observe_cloud(got[0].tpt_s)
+    assert ap.predict(CLOUD_ONLY, e, LINK).tpt_s == pytest.approx(0.02)
+
+
+def test_a_request_run_as_one_mode_is_timed_after_its_first_token():
+    spec = {"mode": "spec", "ttft_s": 0.2, "generated_tokens": 11, **SPEC_FIG,
+            "segments": [_seg("spec", 11, 0.2 + 10 * 0.04, "pipesd")]}
+    [x] = ap.stretches(spec)
+    assert x.tpt_s == pytest.approx(0.04) and x.acceptance == 0.6
+    assert ap.stretches({**spec, "drafter_lost": True}) == []   # a fallback is not its pace
+    short = {"mode": "cloud-only", "ttft_s": 0.1, "generated_tokens": 3,
+             "segments": [_seg("cloud-only", 3, 0.14)]}
+    assert ap.stretches(short) == []
