@@ -274,7 +274,7 @@ def run_request(c, p: str, ids: list[int], n: int, knobs: dict | None = None,
     return r, r.stats
 
 
-RUN_STATS = ("ttft_s", "acceptance_rate", "mean_draft_length", "cloud_forwards_per_token", "rounds",
+RUN_STATS = ("ttft_s", "auto", "acceptance_rate", "mean_draft_length", "cloud_forwards_per_token", "rounds",
              "segments",
              "accepted_tokens",
              "proactive_kept", "proactive_discarded", "early_rejects", "thresholds", "window",
