@@ -568,14 +568,21 @@ def main(argv=None) -> int:
              "(split, tuner, runner) report medians with the IQR and Welch's t (|t| > 2.5, the "
              "DySCo paper's criterion). Earlier speculative runs (3 hand-written prompts, only "
              "pipesd tuned, an `oracle` policy taken for a bound) are kept in "
-             "`docs/results/archive/` and no longer shown. On this 2-core CPU machine the speculative target and "
-             "drafter are the same 135M model (fp32 in torch vs Q4 in llama.cpp), so a target "
-             "forward costs about as much as a draft step: speculative mode cannot beat "
-             "cloud-only here, and the comparisons that carry over to a real edge + cloud GPU "
-             "are the policies' against each other. In split mode the cloud is one CPU core, "
-             "where batching gains less than on a GPU, so FIFO's handicap is smaller than in "
-             "DySCo's tables. `tandem bench spec|split|tuner|overhead|defaults --quick` runs a small "
-             "version of each (tests/integration/test_bench.py runs them in CI).", ""]
+             "`docs/results/archive/` and no longer shown. On this 2-core CPU machine the bundled "
+             "speculative target and drafter are the same 135M model (fp32 in torch vs Q4 in "
+             "llama.cpp), so a target forward costs about as much as a draft step: speculative "
+             "mode cannot beat cloud-only there. Gemma 3 270M's Q4 drafter is much cheaper than "
+             "its fp32 target, and there speculation pays. The `auto_*` runs (the dispatcher "
+             "choosing the mode per request, with and without a time-per-token target) are on "
+             "today's code; every speculative run models the edge (drafter + dispatcher) and "
+             "the cloud (verifier) on one core each of one box, over the emulated link. What "
+             "carries over to a GPU cloud: the cloud work per token each mode asks for and the "
+             "policies' comparison with each other; not the absolute times, nor which mode is "
+             "fastest, since a GPU verifier's step is far shorter than this CPU's. In split "
+             "mode the cloud is one CPU core, where batching gains less than on a GPU, so "
+             "FIFO's handicap is smaller than in DySCo's tables. "
+             "`tandem bench spec|split|tuner|overhead|defaults --quick` runs a small version "
+             "of each (tests/integration/test_bench.py runs them in CI).", ""]
     for f in files:
         doc = json.loads(f.read_text())
         m = doc.get("machine", {})
