@@ -396,7 +396,7 @@ def policy_rows(runs: dict[str, list[dict]], test_names: list[str], bound_tpt_ms
         per_prompt[p] = vec
         ttft_per_prompt[p] = [statistics.fmean(x.get("ttft_s") or 0.0 for x in rs
                                                if x["prompt"] == k) for k in test_names]
-        cloud_per_prompt[p] = [statistics.fmean(x["cloud_s_per_token"] for x in rs
+        cloud_per_prompt[p] = [statistics.fmean(x.get("cloud_s_per_token") or 0.0 for x in rs
                                                 if x["prompt"] == k) for k in test_names]
         ms = [x["tpt_s"] * 1000 for x in rs]
         s = summary(ms)
@@ -461,11 +461,12 @@ def policy_rows(runs: dict[str, list[dict]], test_names: list[str], bound_tpt_ms
                     statistics.fmean(ttft_per_prompt["cloud-only"])
                 r["ttft_vs_cloud_only_ci95"] = ratio_ci(ttft_per_prompt[r["policy"]],
                                                         ttft_per_prompt["cloud-only"])
-            # < 1: this policy asks less of the cloud per token than cloud-only
-            r["cloud_vs_cloud_only"] = statistics.fmean(cloud_per_prompt[r["policy"]]) / \
-                statistics.fmean(cloud_per_prompt["cloud-only"])
-            r["cloud_vs_cloud_only_ci95"] = ratio_ci(cloud_per_prompt[r["policy"]],
-                                                     cloud_per_prompt["cloud-only"])
+            if all(cloud_per_prompt["cloud-only"]):
+                # < 1: this policy asks less of the cloud per token than cloud-only
+                r["cloud_vs_cloud_only"] = statistics.fmean(cloud_per_prompt[r["policy"]]) / \
+                    statistics.fmean(cloud_per_prompt["cloud-only"])
+                r["cloud_vs_cloud_only_ci95"] = ratio_ci(cloud_per_prompt[r["policy"]],
+                                                         cloud_per_prompt["cloud-only"])
         if best and best != r["policy"] and by[best]["edge_cpu_s_per_token"]:
             r["edge_cpu_vs_best_baseline"] = r["edge_cpu_s_per_token"] / by[best]["edge_cpu_s_per_token"]
         r["best_baseline"] = best

@@ -145,13 +145,14 @@ def auto_goals(rows: list[dict]) -> list[list[str]]:
                     "on the tuning prompts)", ">= 95 %",
                     f"{r['slo_met']} ({r['slo_hit_rate']:.0%})",
                     "met" if r["slo_hit_rate"] >= 0.95 else "NOT met"])
-        x, c = r["cloud_vs_cloud_only"], r["cloud_vs_cloud_only_ci95"]
+        x, c = r.get("cloud_vs_cloud_only"), r.get("cloud_vs_cloud_only_ci95")
         share = ", ".join(f"{k} {v:.0%}" for k, v in r.get("auto_token_share", {}).items())
-        out.append(["auto-slo cloud CPU per token / cloud-only's",
-                    "<= 0.6 where a speculative policy meets the target",
-                    f"{x:.3f} {ci(c)}; tokens: {share}",
-                    ("met" if x <= 0.6 else "NOT met") if meeting else
-                    "no speculative policy meets the target here"])
+        if x is not None:   # (cloud-only's cloud CPU was measured)
+            out.append(["auto-slo cloud CPU per token / cloud-only's",
+                        "<= 0.6 where a speculative policy meets the target",
+                        f"{x:.3f} {ci(c)}; tokens: {share}",
+                        ("met" if x <= 0.6 else "NOT met") if meeting else
+                        "no speculative policy meets the target here"])
     return out
 
 
