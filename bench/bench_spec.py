@@ -394,10 +394,8 @@ def policy_rows(runs: dict[str, list[dict]], test_names: list[str], bound_tpt_ms
         vec = [statistics.fmean(x["tpt_s"] * 1000 for x in rs if x["prompt"] == k)
                for k in test_names]
         per_prompt[p] = vec
-        ttft_per_prompt[p] = [statistics.fmean(x.get("ttft_s") or 0.0 for x in rs
-                                               if x["prompt"] == k) for k in test_names]
-        cloud_per_prompt[p] = [statistics.fmean(x.get("cloud_s_per_token") or 0.0 for x in rs
-                                                if x["prompt"] == k) for k in test_names]
+        ttft_per_prompt[p] = _by_prompt(rs, "ttft_s", test_names)
+        cloud_per_prompt[p] = _by_prompt(rs, "cloud_s_per_token", test_names)
         ms = [x["tpt_s"] * 1000 for x in rs]
         s = summary(ms)
 
@@ -440,9 +438,8 @@ def policy_rows(runs: dict[str, list[dict]], test_names: list[str], bound_tpt_ms
             total = sum(went.values()) or 1
             rows[-1]["auto_token_share"] = {k: v / total for k, v in sorted(went.items())}
         if slo_ms:
-            rows[-1]["slo_ms"] = slo_ms
-            rows[-1]["slo_met"] = f"{sum(m <= slo_ms for m in ms)}/{len(ms)}"
-            rows[-1]["slo_hit_rate"] = sum(m <= slo_ms for m in ms) / len(ms)
+            met = sum(m <= slo_ms for m in ms)
+            rows[-1].update(slo_ms=slo_ms, slo_met=f"{met}/{len(ms)}", slo_hit_rate=met / len(ms))
     by = {r["policy"]: r for r in rows}
     present = [b for b in BASELINES if b in by]
     best = min(present, key=lambda b: by[b]["tpt_ms"]) if present else None
@@ -523,6 +520,12 @@ def users_within(load_rows: list[dict], budget_ms: float) -> dict[str, int]:
         if r["tpt_ms"] is not None and r["tpt_ms"] <= budget_ms and not r["errors"]:
             out[r["policy"]] = max(out.get(r["policy"], 0), r["sessions"])
     return out
+
+
+def _by_prompt(rs: list[dict], key: str, names: list[str]) -> list[float]:
+    """Per prompt (in `names`' order), the mean of an optional figure `key` over its runs
+    (repeats); a missing one counts 0."""
+    return [statistics.fmean(x.get(key) or 0.0 for x in rs if x["prompt"] == k) for k in names]
 
 
 def _per_round(rs: list[dict]) -> float | None:
