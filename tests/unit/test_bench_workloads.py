@@ -78,3 +78,16 @@ def test_bootstrap_intervals_cover_the_truth():
     assert ratio_ci([2.0, 2.0], [1.0, 1.0]) == [2.0, 2.0]
     with pytest.raises(ValueError):
         ratio_ci([1.0], [1.0, 2.0])
+
+
+def test_a_chat_prompt_for_a_model_without_a_chat_template_is_sent_as_text():
+    class Plain:   # a tokenizer with no chat template, as Gemma 3 270M's is prepared here
+        chat_template = None
+
+        def encode(self, text):
+            return [ord(c) for c in text]
+
+        def apply_chat_template(self, *a, **kw):
+            raise ValueError("no chat template")
+    ids = workloads.encode([workloads.Prompt("mtbench/81", "Hi?", chat=True)], Plain())
+    assert ids == {"mtbench/81": [ord("H"), ord("i"), ord("?"), ord("\n")]}
