@@ -175,8 +175,10 @@ class Auto:
                     if n - n0 < cfg.switch_every:
                         return False
                     window[0] = (n, now)
+                    pace = slo if slo is None else auto_policy.remaining_pace(
+                        slo, now - req.first_token_at, n - 1, req.max_tokens - n)
                     v = auto_policy.recheck(current, other, (now - t0) / (n - n0),
-                                            self.estimates, self.link(d), slo, cfg.hysteresis)
+                                            self.estimates, self.link(d), pace, cfg.hysteresis)
                     if isinstance(v, Switch):
                         verdict.append(v)
                         return True

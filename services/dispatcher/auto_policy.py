@@ -25,15 +25,22 @@ prefill left out) and W (cloud compute seconds per token):
                at that cut; W = the cloud forward per token. Chosen at the start only.
 
 Objective. No target: the least T. A target `slo_s` (tpt_slo_ms per request, or the dispatcher's
-auto_tpt_slo_ms): the least W among candidates whose T meets it, else the least T.
+auto_tpt_slo_ms): the least W among candidates that meet it, else the least T. A target is met
+per request, not on average, so a candidate meets it when its predicted 95th percentile of a
+request's T does (`Prediction.tpt_hi_s`): T times exp(1.645 σ), σ² the EWMA of the squared log
+ratio of each request's measured T to what was predicted for it. A speculative policy's T varies
+from prompt to prompt with its acceptance; a mode whose mean meets the target may still miss it
+on a third of the requests.
 
 Switching. A request served speculatively or cloud-only may switch between the two while it
 runs (services/dispatcher/auto_mode.py does it without a new prefill). Every N tokens `recheck`
 compares the stretch's own measured T (live: this prompt, this load) with the other mode's
 prediction, and switches only for a clear gain: the other must be faster by the `hysteresis`
 fraction (no target), or meet the target the current stretch misses, or, both meeting it, cost
-that fraction less cloud work. A stretch lasts N tokens at least, so the figures it is judged
-by are its own and no request flaps faster than every N tokens.
+that fraction less cloud work. Under a target, "meet" is judged on what is left of the request's
+budget (`remaining_pace`): a stretch that fell behind must be made up by the rest, and one that
+ran ahead leaves room for a slower, cheaper mode. A stretch lasts N tokens at least, so the
+figures it is judged by are its own and no request flaps faster than every N tokens.
 
 Cold start. Before cloud-only has a measured t_dec, there is nothing to compare with: cloud-only
 is chosen (on this machine it has the earliest first token and is never slower per token). A
@@ -51,6 +58,7 @@ cut measured it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from services.dispatcher.spec.dp_batching import plan_batches_with_time
@@ -68,6 +76,11 @@ SWITCH_DRAFTER_READY = "drafter-ready"   # the first tokens came from the cloud 
 REASONS = (COLD_START, EXPLORE, FASTEST, LEAST_CLOUD, SLO_UNMET, SWITCH_FASTER,
            SWITCH_LESS_CLOUD, SWITCH_MEET_SLO, SWITCH_DRAFTER_READY)
 CLOUD_FIRST = "cloud-first"   # why a speculative request's first stretch is cloud-only
+# one-sided 95 %: under a target a candidate meets it when its predicted 95th percentile of a
+# request's T does (the target is met per request)
+SLO_QUANTILE_Z = 1.645
+# a spread needs more requests than a mean: its EWMA weighs each request this much
+SPREAD_EWMA = 0.1
 
 
 @dataclass(frozen=True)
@@ -118,6 +131,10 @@ class Prediction:
     candidate: Candidate
     tpt_s: float          # T: seconds per token
     cloud_s: float        # W: cloud compute seconds per token
+    tpt_hi_s: float = 0.0   # T's predicted 95th percentile over requests (>= tpt_s)
+
+    def meets(self, slo_s: float) -> bool:
+        return max(self.tpt_s, self.tpt_hi_s) <= slo_s
 
 
 @dataclass(frozen=True)
@@ -130,7 +147,8 @@ class Choice:
         """For Done.stats: what was chosen, why, and the predictions compared."""
         return {"chosen": str(self.candidate), "reason": self.reason,
                 "predictions": [{"candidate": str(p.candidate), "tpt_s": p.tpt_s,
-                                 "cloud_s_per_token": p.cloud_s} for p in self.predictions]}
+                                 "tpt_p95_s": p.tpt_hi_s, "cloud_s_per_token": p.cloud_s}
+                                for p in self.predictions]}
 
 
 def _ewma(old: float | None, new: float, w: float) -> float:
@@ -215,12 +233,22 @@ class Estimates:
     split: dict[int, SplitFigures] = field(default_factory=dict)
     observed: int = 0                                    # observations so far, of any candidate
     last: dict[Candidate, int] = field(default_factory=dict)   # `observed` at its last one
+    # σ²: EWMA of (log measured T / T predicted for it)², per candidate; none before its
+    # second request (split's T is not a request's own pace: it has none)
+    spread: dict[Candidate, float] = field(default_factory=dict)
 
     def _seen(self, c: Candidate) -> None:
         self.observed += 1
         self.last[c] = self.observed
 
+    def _residual(self, c: Candidate, measured: float, predicted: float) -> None:
+        if measured > 0 and predicted > 0:
+            r2 = math.log(measured / predicted) ** 2
+            self.spread[c] = _ewma(self.spread.get(c), r2, SPREAD_EWMA)
+
     def observe_cloud(self, decode_s_per_token: float) -> None:
+        if self.t_dec is not None:
+            self._residual(CLOUD_ONLY, decode_s_per_token, self.t_dec)
         self.t_dec = _ewma(self.t_dec, decode_s_per_token, self.ewma)
         self._seen(CLOUD_ONLY)
 
@@ -230,8 +258,12 @@ class Estimates:
         """A finished speculative request. Its calibration needs t_dec (before that, the
         model's figures are kept and the calibration starts with the first request after)."""
         w = self.ewma
-        self._seen(Candidate("spec", policy=policy))
+        c = Candidate("spec", policy=policy)
+        self._seen(c)
         f = self.spec.get(policy)
+        if f is not None and f.calibration is not None and self.t_dec is not None:
+            # what was predicted for this request: its figures before it
+            self._residual(c, decode_s_per_token, f.calibration * spec_model_tpt(f, link, self.t_dec))
         if f is None:
             f = self.spec[policy] = SpecFigures(acceptance, draft_len, forwards_per_token,
                                                 proactive=proactive)
@@ -265,19 +297,21 @@ def predict(c: Candidate, e: Estimates, link: Link) -> Prediction | None:
     """T and W of a candidate from the estimates; None when it cannot be predicted yet."""
     if e.t_dec is None:
         return None
+    hi = math.exp(SLO_QUANTILE_Z * math.sqrt(e.spread.get(c, 0.0)))
     if c.mode == "cloud-only":
-        return Prediction(c, e.t_dec, e.t_dec)
+        return Prediction(c, e.t_dec, e.t_dec, e.t_dec * hi)
     if c.mode == "spec":
         f = e.spec.get(c.policy)
         if f is None:
             return None
         calibration = 1.0 if f.calibration is None else f.calibration
-        return Prediction(c, calibration * spec_model_tpt(f, link, e.t_dec),
-                          e.t_dec * f.forwards_per_token)
+        t = calibration * spec_model_tpt(f, link, e.t_dec)
+        return Prediction(c, t, e.t_dec * f.forwards_per_token, t * hi)
     f = e.split.get(c.cut)
     if f is None:
         return None
-    return Prediction(c, f.edge_s + link.rtt_s + f.cloud_s, f.cloud_s)
+    t = f.edge_s + link.rtt_s + f.cloud_s
+    return Prediction(c, t, f.cloud_s, t)
 
 
 def choose(candidates: list[Candidate], e: Estimates, link: Link, slo_s: float | None = None,
@@ -297,7 +331,7 @@ def choose(candidates: list[Candidate], e: Estimates, link: Link, slo_s: float |
             # a request with a target is not spent on re-measuring a candidate predicted to
             # miss it: its target outranks the freshness of the estimates
             pool = [c for c in candidates if c.mode != "split"
-                    and (slo_s is None or c not in preds or preds[c].tpt_s <= slo_s)]
+                    and (slo_s is None or c not in preds or preds[c].meets(slo_s))]
             if pool:
                 stalest = min(pool, key=lambda c: e.last.get(c, 0))
                 return Choice(stalest, EXPLORE, tuple(preds.values()))
@@ -307,7 +341,7 @@ def choose(candidates: list[Candidate], e: Estimates, link: Link, slo_s: float |
     fastest = min(preds, key=lambda p: p.tpt_s)
     if slo_s is None:
         return Choice(fastest.candidate, FASTEST, preds)
-    meeting = [p for p in preds if p.tpt_s <= slo_s]
+    meeting = [p for p in preds if p.meets(slo_s)]
     if not meeting:
         return Choice(fastest.candidate, SLO_UNMET, preds)
     best = min(meeting, key=lambda p: (p.cloud_s, p.tpt_s))
@@ -328,17 +362,27 @@ class Switch:
 STAY = Stay()
 
 
+def remaining_pace(slo_s: float, spent_s: float, tokens: int, left: int) -> float:
+    """The seconds per token the rest of a request may take for its whole decode to keep
+    `slo_s` per token: `tokens` decoded in `spent_s` (its first token left out, as in T), at
+    most `left` still to come. 0 when the budget is already spent."""
+    if left <= 0:
+        return slo_s
+    return max(0.0, (slo_s * (tokens + left) - spent_s) / left)
+
+
 def recheck(current: Candidate, other: Candidate, live_tpt_s: float, e: Estimates, link: Link,
             slo_s: float | None = None, hysteresis: float = 0.2) -> Stay | Switch:
     """Mid-request: keep serving as `current` (measured at `live_tpt_s` per token over this
-    stretch) or switch to `other` (predicted from the estimates)."""
+    stretch) or switch to `other` (predicted from the estimates). Under a target, `slo_s` is the
+    pace the rest of the request must keep (`remaining_pace`)."""
     p = predict(other, e, link)
     if p is None or not live_tpt_s > 0:
         return STAY
     margin = 1.0 - hysteresis
     if slo_s is None:
         return Switch(other, SWITCH_FASTER) if p.tpt_s < live_tpt_s * margin else STAY
-    meets, other_meets = live_tpt_s <= slo_s, p.tpt_s <= slo_s
+    meets, other_meets = live_tpt_s <= slo_s, p.meets(slo_s)
     if not meets and other_meets:
         return Switch(other, SWITCH_MEET_SLO)
     if not meets:

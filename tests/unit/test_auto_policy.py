@@ -3,6 +3,8 @@ exploration, the latency and SLO objectives, and its speculative cost model's te
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from services.dispatcher import auto_policy as ap
@@ -85,6 +87,44 @@ def test_slo_chooses_the_least_cloud_work_that_meets_it():
     assert (only_cloud.candidate, only_cloud.reason) == (CLOUD_ONLY, ap.LEAST_CLOUD)
     none = ap.choose([CLOUD_ONLY, PIPESD], e, LINK, slo_s=0.01)
     assert (none.candidate, none.reason) == (CLOUD_ONLY, ap.SLO_UNMET)
+
+
+def test_a_target_is_met_by_the_predicted_95th_percentile_not_the_mean():
+    steady, scattered = measured(t_dec=0.05, spec_tpt=0.08), measured(t_dec=0.05, spec_tpt=0.08)
+    for tpt in (0.08, 0.08, 0.08):
+        steady.observe_spec("pipesd", LINK, acceptance=0.7, draft_len=6.0, forwards_per_token=0.3,
+                            decode_s_per_token=tpt, proactive=True)
+    for tpt in (0.05, 0.11, 0.06, 0.12):   # the same mean, prompt to prompt far apart
+        scattered.observe_spec("pipesd", LINK, acceptance=0.7, draft_len=6.0,
+                               forwards_per_token=0.3, decode_s_per_token=tpt, proactive=True)
+    assert ap.predict(PIPESD, steady, LINK).tpt_hi_s == pytest.approx(0.08)
+    p = ap.predict(PIPESD, scattered, LINK)
+    assert p.tpt_s < 0.1 < p.tpt_hi_s
+    assert ap.choose([CLOUD_ONLY, PIPESD], steady, LINK, slo_s=0.1).candidate == PIPESD
+    c = ap.choose([CLOUD_ONLY, PIPESD], scattered, LINK, slo_s=0.1)
+    assert (c.candidate, c.reason) == (CLOUD_ONLY, ap.LEAST_CLOUD)
+    # the spread is learned from each request against what was predicted for it: one
+    # residual of log 2 after a steady first request
+    e = measured(t_dec=0.05, spec_tpt=0.08)
+    e.observe_spec("pipesd", LINK, acceptance=0.7, draft_len=6.0, forwards_per_token=0.3,
+                   decode_s_per_token=0.16, proactive=True)
+    assert e.spread[PIPESD] == pytest.approx(math.log(2) ** 2)
+
+
+def test_the_remaining_pace_makes_up_what_a_request_spent():
+    # 0.1 s per token over 64: 16 tokens at 0.1 leave 0.1; at 0.13, the rest must be faster
+    assert ap.remaining_pace(0.1, 1.6, 16, 48) == pytest.approx(0.1)
+    assert ap.remaining_pace(0.1, 2.08, 16, 48) == pytest.approx(0.09)
+    assert ap.remaining_pace(0.1, 10.0, 16, 48) == 0.0           # already lost
+    assert ap.remaining_pace(0.1, 0.8, 16, 48) > 0.1              # ahead: room for a slower mode
+    assert ap.remaining_pace(0.1, 5.0, 64, 0) == 0.1
+    # a spec stretch meeting the target on its own pace still switches when the request
+    # fell behind and cloud-only can make it up
+    e = measured(t_dec=0.05, spec_tpt=0.08, fpt=0.3)
+    assert ap.recheck(PIPESD, CLOUD_ONLY, 0.095, e, LINK, slo_s=0.1) == ap.STAY
+    behind = ap.remaining_pace(0.1, 32 * 0.11, 32, 32)
+    assert ap.recheck(PIPESD, CLOUD_ONLY, 0.095, e, LINK, slo_s=behind) == \
+        ap.Switch(CLOUD_ONLY, ap.SWITCH_MEET_SLO)
 
 
 def test_calibration_makes_the_prediction_match_what_was_measured_on_the_same_link():
