@@ -25,13 +25,16 @@ NEAR_TIE = 1e-4   # DESIGN.md §5: a top-2 logit margin under this is a floating
 PROMPTS = BUILTIN_PROMPTS   # shipped in the package: `tandem bench` must not need tests/
 
 # Modules whose assertions need the machine to themselves: delays measured through the WAN
-# emulator, heartbeat and deadline races, replica balance and memory under load, a supervisor's
-# backoff, a live Prometheus' scrapes. scripts/test.sh runs them alone after everything else,
-# which runs on two workers, a module per worker (test_cli's `tandem up` holds the default
-# ports, which no other module binds).
-SERIAL_MODULES = {"test_wan", "test_chaos", "test_partitions", "test_faults", "test_load",
-                  "test_replicas_process", "test_replicas_launcher", "test_runtime",
-                  "test_api_curve", "test_observability"}
+# emulator, replica balance and memory under load, a supervisor's backoff, processes killed and
+# restarted against their timeouts, a live Prometheus' scrapes. scripts/test.sh runs them alone
+# after everything else, which runs on two workers, a module per worker (test_cli's `tandem up`
+# holds the default ports, which no other module binds). The link chaos and partition modules
+# run with the rest: they spend their time waiting out faults, and what they assert of time is
+# a lower bound a loaded machine cannot break (a partition silences the streams at least its
+# length, a deadline ends a request no sooner than it passes).
+SERIAL_MODULES = {"test_wan", "test_faults", "test_load", "test_replicas_process",
+                  "test_replicas_launcher", "test_runtime", "test_api_curve",
+                  "test_observability"}
 
 
 def pytest_collection_modifyitems(config, items):
