@@ -131,10 +131,10 @@ class Prediction:
     candidate: Candidate
     tpt_s: float          # T: seconds per token
     cloud_s: float        # W: cloud compute seconds per token
-    tpt_hi_s: float = 0.0   # T's predicted 95th percentile over requests (>= tpt_s)
+    tpt_hi_s: float       # T's predicted 95th percentile over requests (>= tpt_s)
 
     def meets(self, slo_s: float) -> bool:
-        return max(self.tpt_s, self.tpt_hi_s) <= slo_s
+        return self.tpt_hi_s <= slo_s
 
 
 @dataclass(frozen=True)
