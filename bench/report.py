@@ -141,8 +141,8 @@ def auto_goals(rows: list[dict]) -> list[list[str]]:
         r = by["auto-slo"]
         meeting = [x["policy"] for x in fixed if x["policy"] != "cloud-only"
                    and x.get("slo_hit_rate", 0) >= 0.95]
-        out.append([f"auto-slo requests within {r['slo_ms']:.1f} ms per token (1.25x cloud-only "
-                    "on the tuning prompts)", ">= 95 %",
+        out.append([f"auto-slo requests within {r['slo_ms']:.1f} ms per output token after the "
+                    "first (1.25x cloud-only's on the tuning prompts)", ">= 95 %",
                     f"{r['slo_met']} ({r['slo_hit_rate']:.0%})",
                     "met" if r["slo_hit_rate"] >= 0.95 else "NOT met"])
         x, c = r.get("cloud_vs_cloud_only"), r.get("cloud_vs_cloud_only_ci95")

@@ -234,7 +234,8 @@ class GenerateRequest(Msg, tag="generate"):
     # ^ send each token's TokenLogprob with this many alternatives; None = none (nothing computed)
     constraint: Constraint | None = None   # the output is constrained (every mode, exactly)
     tpt_slo_ms: Annotated[float, msgspec.Meta(ge=0.0, le=MAX_SECONDS * 1000)] = 0.0
-    # ^ auto mode: a target time per token in milliseconds; the dispatcher then chooses the mode
+    # ^ auto mode: a target time per output token after the first (Stats.tpot_s) in
+    #   milliseconds; the dispatcher then chooses the mode
     #   with the least cloud work that meets it (services/dispatcher/auto_policy.py); 0 = the
     #   dispatcher's auto_tpt_slo_ms
     resume_ids: list[TokenId] | None = None

@@ -58,6 +58,9 @@ class Stats(Mapping):
     """Time to first token (None when no token was generated)."""
     tpt_s: float | None = None
     """Time per token: `duration_s / generated_tokens` (PipeSD's headline figure)."""
+    tpot_s: float | None = None
+    """Time per output token after the first: `(duration_s - ttft_s) / (generated_tokens - 1)`,
+    the decode pace (vLLM's TPOT) that a `tpt_slo_ms` target bounds (None under two tokens)."""
     cached_tokens: int = 0
     """Prompt tokens whose KV the prefix cache held, so their prefill was skipped: the
     verifier's (cloud-only and speculative modes), or in split mode the rows both the edge

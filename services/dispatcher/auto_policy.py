@@ -38,8 +38,8 @@ compares the stretch's own measured T (live: this prompt, this load) with the ot
 prediction, and switches only for a clear gain: the other must be faster by the `hysteresis`
 fraction (no target), or meet the target the current stretch misses, or, both meeting it, cost
 that fraction less cloud work. Under a target, "meet" is judged on what is left of the request's
-budget (`remaining_pace`): a stretch that fell behind must be made up by the rest, and one that
-ran ahead leaves room for a slower, cheaper mode. A stretch lasts N tokens at least, so the
+budget (`remaining_pace`): a stretch that fell behind must be made up by the rest; a lead is
+kept (the target is never loosened mid-request). A stretch lasts N tokens at least, so the
 figures it is judged by are its own and no request flaps faster than every N tokens.
 
 Cold start. Before cloud-only has a measured t_dec, there is nothing to compare with: cloud-only
@@ -365,10 +365,12 @@ STAY = Stay()
 def remaining_pace(slo_s: float, spent_s: float, tokens: int, left: int) -> float:
     """The seconds per token the rest of a request may take for its whole decode to keep
     `slo_s` per token: `tokens` decoded in `spent_s` (its first token left out, as in T), at
-    most `left` still to come. 0 when the budget is already spent."""
+    most `left` still to come. 0 when the budget is already spent. Never more than `slo_s`: a
+    request that fell behind must make it up, but a lead is kept, not spent on a cheaper mode,
+    whose next stretch scatters further around its prediction than a whole request does."""
     if left <= 0:
         return slo_s
-    return max(0.0, (slo_s * (tokens + left) - spent_s) / left)
+    return min(slo_s, max(0.0, (slo_s * (tokens + left) - spent_s) / left))
 
 
 def recheck(current: Candidate, other: Candidate, live_tpt_s: float, e: Estimates, link: Link,

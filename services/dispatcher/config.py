@@ -63,8 +63,9 @@ class SplitConfig:
 class AutoConfig:
     """mode="auto": the dispatcher chooses the mode per request, services/dispatcher/auto_mode.py."""
     tpt_slo_ms: float = setting(
-        0.0, "target time per token of an auto request that names none: the least cloud work "
-             "meeting it is chosen; 0 = no target (the fastest mode)", ge=0)
+        0.0, "target time per output token after the first (Stats.tpot_s) of an auto request "
+             "that names none: the least cloud work meeting it is chosen; 0 = no target (the "
+             "fastest mode)", ge=0)
     policies: str = setting("pipesd", "spec policies auto may choose, comma-separated")
     cuts: str = setting("", "split cuts auto may choose once measured, comma-separated; \"\" = "
                             "split_cut")

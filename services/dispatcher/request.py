@@ -159,7 +159,8 @@ class Request:
                  "prompt_tokens": len(self.prompt_ids) - self.resumed,
                  "generated_tokens": n, "duration_s": end - self.start,
                  "ttft_s": (self.first_token_at - self.start) if n else None,
-                 "tpt_s": (end - self.start) / n if n else None}
+                 "tpt_s": (end - self.start) / n if n else None,
+                 "tpot_s": (end - self.first_token_at) / (n - 1) if n > 1 else None}
         if self.msg.resume_ids is not None:
             stats["continued_from"] = self.resumed
         stats.update(self.stats)
