@@ -10,15 +10,24 @@ Two couplings between the drafter's and the target's randomness (`Sampling.coupl
 * "gumbel": the token at a position is argmax(log p + g(seed, position)) (`gumbel_token`), an
   exact sample from p whatever drafted it, so the output depends only on the seed and the prompt
   (common/gumbel.py). A draft is accepted exactly when it equals that token.
+
+torch is imported by the functions that compute on logits, not by the module: the dispatcher
+(an edge process) needs only the request rules (`resolved`, `is_greedy`) and runs without torch,
+a second and ~300 MB less per dispatcher.
 """
 
 from __future__ import annotations
 
+import secrets
+from typing import TYPE_CHECKING
+
 import msgspec
-import torch
 
 from common import gumbel
 from common.protocol import LOGPROB_FLOOR, Sampling, TokenLogprob
+
+if TYPE_CHECKING:
+    import torch
 
 # The coupling of a request that names none (Sampling.coupling None). The dispatcher fills in its
 # configured default (DispatcherConfig.sampling_coupling) before a request reaches the other
@@ -43,7 +52,7 @@ def resolved(s: Sampling, default_coupling: str) -> Sampling:
     c = s.coupling or default_coupling
     seed = s.seed
     if c == "gumbel" and not is_greedy(s) and seed is None:
-        seed = int(torch.randint(0, 2**62, (1,)).item())
+        seed = secrets.randbits(62)
     if c == s.coupling and seed == s.seed:
         return s
     return msgspec.structs.replace(s, coupling=c, seed=seed)
@@ -58,6 +67,8 @@ def is_gumbel(s: Sampling) -> bool:
 
 def target_probs(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
     """Probabilities [..., V] after temperature, top-k and top-p (float32)."""
+    import torch
+
     x = logits.float() / max(s.temperature, 1e-6)
     if s.top_k and 0 < s.top_k < x.shape[-1]:
         kth = torch.topk(x, s.top_k, dim=-1).values[..., -1:]
@@ -77,6 +88,8 @@ def target_probs(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
 def generator(s: Sampling, position: int, stream: int = 0) -> torch.Generator:
     """A generator keyed by (seed, position, stream): the same draw whatever else ran before.
     `stream` separates independent draws at one position (accept test vs resample)."""
+    import torch
+
     g = torch.Generator()
     seed = s.seed if s.seed is not None else torch.seed()
     g.manual_seed((seed * 1_000_003 + position * 7919 + stream) % (2**63 - 1))
@@ -88,6 +101,8 @@ def gumbel_token(logits: torch.Tensor, s: Sampling, position: int) -> int:
     warped target distribution (temperature / top-k / top-p; -inf off its support). An exact
     sample from p that depends only on (seed, position, p). Needs a seed (the dispatcher gives
     every gumbel request one)."""
+    import torch
+
     if s.seed is None:
         raise ValueError("the gumbel coupling needs a seed")
     log_p = torch.log(target_probs(logits.float().cpu(), s)).numpy()
@@ -96,6 +111,8 @@ def gumbel_token(logits: torch.Tensor, s: Sampling, position: int) -> int:
 
 def sample(logits: torch.Tensor, s: Sampling, position: int) -> int:
     """One token from a logits row [V] for absolute position `position`."""
+    import torch
+
     if is_greedy(s):
         return int(torch.argmax(logits).item())
     if is_gumbel(s):
@@ -108,6 +125,8 @@ def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
     """The log-probability of `token` and the `top` most likely tokens under the unmodified
     distribution of a logits row [V]: log_softmax of the raw logits (before temperature, top-k
     and top-p, as vLLM's default "raw logprobs"), clamped at LOGPROB_FLOOR."""
+    import torch
+
     lp = torch.log_softmax(logits.float(), dim=-1).clamp_(min=LOGPROB_FLOOR)
     if top:
         values, ids = torch.topk(lp, top)

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -215,6 +217,16 @@ def test_the_sdk_imports_common_only():
 def test_the_gateway_imports_common_and_the_sdk_only():
     bad = [(m, d) for m, d in _violations(GRAPH) if _layer(m) == "api"]
     assert not bad, f"the gateway imports a service, the stack or bench: {bad}"
+
+
+def test_the_dispatcher_and_the_sdk_run_without_torch():
+    """Edge processes carry no model: the dispatcher and the SDK import no torch (a second and
+    ~300 MB each), nor transformers."""
+    code = ("import sys, services.dispatcher.service, tandem.client\n"
+            "sys.exit(', '.join(m for m in ('torch', 'transformers') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and not r.stderr, f"imported: {r.stderr}"
 
 
 def test_no_violation_anywhere():
