@@ -8,7 +8,10 @@ DraftBatch)."""
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:   # only `attention` builds tensors: the dispatcher uses the rest without torch
+    import torch
 
 
 def depths(parents: list[int]) -> list[int]:
@@ -57,6 +60,8 @@ def attention(parents: list[int], lead: int = 1) -> tuple[torch.Tensor, torch.Te
     none) followed by the tree's nodes (common/runner.Segment.positions / .ancestors): each
     token's position offset from the cache length, and the bool [n, n] mask of the new tokens
     each one sees (the lead tokens causally, then a node its lead tokens, ancestors and itself)."""
+    import torch
+
     n = lead + len(parents)
     d = depths(parents)
     positions = torch.tensor(list(range(lead)) + [lead + x for x in d], dtype=torch.long)

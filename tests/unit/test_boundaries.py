@@ -223,7 +223,7 @@ def test_the_dispatcher_and_the_sdk_run_without_torch():
     """Edge processes carry no model: the dispatcher and the SDK import no torch (a second and
     ~300 MB each), nor transformers."""
     code = ("import sys, services.dispatcher.service, tandem.client\n"
-            "sys.exit(', '.join(m for m in ('torch', 'transformers') if m in sys.modules))")
+            "sys.exit(', '.join(m for m in ('torch', 'transformers') if m in sys.modules) or None)")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0 and not r.stderr, f"imported: {r.stderr}"
