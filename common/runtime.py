@@ -759,7 +759,7 @@ class Channel:
                             f"no reply from {self.peer.name} within {timeout:.1f} s") from None
         msg, frames = item
         if isinstance(msg, protocol.Error):
-            raise PeerError(msg.code, msg.message, retry_after_s=msg.retry_after_s)
+            raise PeerError(msg.code, msg.message, msg.field, msg.retry_after_s)
         return msg, frames
 
     def close(self) -> None:

@@ -232,7 +232,7 @@ class Dispatcher(Service):
                 reply = (protocol.DEADLINE, f"deadline passed after {len(req.tokens)} tokens")
         except (PeerError, ProtocolError) as e:
             outcome = "error"
-            reply = (e.code, e.message, "", e.retry_after_s)
+            reply = (e.code, e.message, e.field, e.retry_after_s)   # a peer's refusal names its field
         except Exception:
             outcome = "error"
             self.log.exception("request %s failed", req.sid)

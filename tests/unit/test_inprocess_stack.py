@@ -563,3 +563,21 @@ def test_constrained_gumbel_sampling_is_the_same_sample_in_every_mode(stack, tok
     assert runs[0].token_ids == runs[1].token_ids == runs[2].token_ids
     if runs[0].finish_reason == "eos":
         _valid(tokenizer, schema, runs[0].token_ids)
+
+
+def test_a_refusal_from_a_peer_after_admission_names_its_field(stack, ids, monkeypatch):
+    """The dispatcher admits a request and a peer then refuses it (here every verifier refuses
+    its constraint, as one whose tokenizer cannot compile it would): the client's error keeps
+    the field the peer named, so the gateway can blame the right parameter."""
+    from common import protocol
+    from tandem import InvalidRequest
+
+    async def refuse(msg):
+        raise protocol.ProtocolError(protocol.BAD_FIELD, "constraint: refused by this verifier",
+                                     field="constraint")
+    for n in ("verifier", "verifier-1"):
+        monkeypatch.setattr(stack.stack.services[n], "matcher", refuse)
+    with pytest.raises(InvalidRequest, match="refused by this verifier") as e:
+        stack.complete(ids[0], mode="cloud-only", max_tokens=2, deadline_s=30,
+                       constraint=protocol.Constraint("regex", "[a-z]+"))
+    assert e.value.field == "constraint", e.value
