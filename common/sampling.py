@@ -13,7 +13,7 @@ Two couplings between the drafter's and the target's randomness (`Sampling.coupl
 
 torch is imported by the functions that compute on logits, not by the module: the dispatcher
 (an edge process) needs only the request rules (`resolved`, `is_greedy`) and runs without torch,
-a second and ~300 MB less per dispatcher.
+about 1.3 s and 180 MB less per dispatcher start.
 """
 
 from __future__ import annotations

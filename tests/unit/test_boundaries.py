@@ -221,7 +221,7 @@ def test_the_gateway_imports_common_and_the_sdk_only():
 
 def test_the_dispatcher_and_the_sdk_run_without_torch():
     """Edge processes carry no model: the dispatcher and the SDK import no torch (a second and
-    ~300 MB each), nor transformers."""
+    ~180 MB each), nor transformers."""
     code = ("import sys, services.dispatcher.service, tandem.client\n"
             "sys.exit(', '.join(m for m in ('torch', 'transformers') if m in sys.modules) or None)")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
