@@ -462,8 +462,9 @@ class SpecSession(EngineSession):
             self._append(self.active, msg, q_ids, q_probs)
         elif self.active is not None and parent == (self.chain or [self.active])[-1].id:
             last = (self.chain or [self.active])[-1]
-            if msg.start != last.next:
-                raise ProtocolError(protocol.BAD_FIELD,
+            if msg.start != last.next:   # past it: the parent's last batch was lost (a gap)
+                raise ProtocolError(protocol.UNKNOWN_ROUND if msg.start > last.next
+                                    else protocol.BAD_FIELD,
                                     f"proactive round {rid} starts at {msg.start}, its parent "
                                     f"{parent} ends at {last.next}")
             if len(self.chain) >= MAX_CHAIN:
@@ -492,9 +493,9 @@ class SpecSession(EngineSession):
 
     def _append(self, r: Round, msg: protocol.DraftBatch, q_ids, q_probs) -> None:
         start, tokens = msg.start, list(msg.token_ids)
-        if start > r.next:
-            raise ProtocolError(protocol.BAD_FIELD, f"round {r.id}: batch starts at {start}, "
-                                                    f"expected {r.next} (a batch is missing)")
+        if start > r.next:   # lost on the way: a gap the dispatcher cures by a replay
+            raise ProtocolError(protocol.UNKNOWN_ROUND, f"round {r.id}: batch starts at {start}, "
+                                                        f"expected {r.next} (a batch is missing)")
         skip = r.next - start
         for i in range(min(skip, len(tokens))):    # a resend overlaps what we have
             e = self.stream[start + i - self.C] if start + i >= self.C else None

@@ -271,8 +271,8 @@ def test_bad_rounds_and_positions_are_clear_errors():
     assert e.value.code == protocol.BAD_FIELD
     s.on_batch(batch(1, 5, [1, 2]), None, None)
     with pytest.raises(ProtocolError) as e:
-        s.on_batch(batch(1, 8, [1]), None, None)          # gap at 7
-    assert "missing" in e.value.message
+        s.on_batch(batch(1, 8, [1]), None, None)          # gap at 7: lost, a replay cures it
+    assert "missing" in e.value.message and e.value.code == protocol.UNKNOWN_ROUND
     with pytest.raises(ProtocolError) as e:
         s.on_batch(batch(1, 5, [9]), None, None)          # position 5 changed
     assert e.value.code == protocol.BAD_FIELD
@@ -284,6 +284,20 @@ def test_bad_rounds_and_positions_are_clear_errors():
     assert e.value.code == protocol.UNKNOWN_ROUND
     with pytest.raises(ProtocolError) as e:
         s.on_batch(batch(4, 5, [1]), None, None)              # new round while 1 unresolved
+    assert e.value.code == protocol.BAD_FIELD
+
+
+def test_a_proactive_round_past_its_parents_end_is_a_gap_a_replay_cures():
+    """A dropped connection can lose a round's last batch while its proactive child's first batch
+    arrives: `unknown_round` (the dispatcher replays), not `bad_field` (the request's answer).
+    A child starting inside its parent is inconsistent, not lost: `bad_field`."""
+    s = open_session(PROMPT)
+    s.on_batch(batch(1, 5, [1, 2]), None, None)               # round 1 holds 5..6, next is 7
+    with pytest.raises(ProtocolError) as e:
+        s.on_batch(batch(2, 8, [3], parent=1), None, None)
+    assert e.value.code == protocol.UNKNOWN_ROUND
+    with pytest.raises(ProtocolError) as e:
+        s.on_batch(batch(2, 6, [3], parent=1), None, None)
     assert e.value.code == protocol.BAD_FIELD
 
 
