@@ -107,10 +107,14 @@ def _fmt(v) -> str:
 AUTO = ("auto", "auto-slo")   # rows where the dispatcher chose the mode
 
 
-def auto_goals(rows: list[dict]) -> list[list[str]]:
+CHANGING_LINK_GAIN = 1.1   # on a link that changes under requests, auto beats every fixed mode by this
+
+
+def auto_goals(rows: list[dict], scenario: str = "") -> list[list[str]]:
     """auto's verdicts on one run's rows (DESIGN.md §10), as [goal, target, this run, status]:
-    its time per token against the best fixed choice and cloud-only, its first token against
-    cloud-only's, and auto-slo's target met with the cloud work it cost."""
+    its time per token against the best fixed choice (on the `changing` link, faster than it by
+    CHANGING_LINK_GAIN) and cloud-only, its first token against cloud-only's, and auto-slo's
+    target met with the cloud work it cost."""
     from bench.stats import ratio_ci
     by = {r["policy"]: r for r in rows}
     fixed = [r for r in rows if r["policy"] not in AUTO and r["policy"] != "oracle-trigger"]
@@ -127,8 +131,13 @@ def auto_goals(rows: list[dict]) -> list[list[str]]:
     if "auto" in by and fixed:
         r, best = by["auto"], min(fixed, key=lambda x: x["tpt_ms"])
         x, c = vs(r, best)
-        out.append([f"auto TPT / best fixed ({best['policy']})", "<= 1.05", f"{x:.3f} {ci(c)}",
-                    "met" if x <= 1.05 else "NOT met"])
+        if scenario == "changing":
+            out.append([f"auto TPT / best fixed ({best['policy']}) on a changing link",
+                        f"<= {1 / CHANGING_LINK_GAIN:.3f} ({CHANGING_LINK_GAIN}x faster)",
+                        f"{x:.3f} {ci(c)}", "met" if x <= 1 / CHANGING_LINK_GAIN else "NOT met"])
+        else:
+            out.append([f"auto TPT / best fixed ({best['policy']})", "<= 1.05",
+                        f"{x:.3f} {ci(c)}", "met" if x <= 1.05 else "NOT met"])
         if "cloud-only" in by:
             x, c = vs(r, by["cloud-only"])
             out.append(["auto TPT / cloud-only", "CI upper end <= 1.02", f"{x:.3f} {ci(c)}",

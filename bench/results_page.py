@@ -114,7 +114,7 @@ def spec_workload_section(doc: dict, name: str) -> str:
         goals.append(["pipesd's TPT over the bound", "reported (token trees set its goal)",
                       f"{by['pipesd']['tpt_over_bound']:.3f} "
                       f"{_ci(by['pipesd'].get('tpt_over_bound_ci95'))}", "reported"])
-    goals += auto_goals([r for r in rows if not r.get("uplink_mbit")])
+    goals += auto_goals([r for r in rows if not r.get("uplink_mbit")], doc.get("scenario", ""))
     if goals:
         lines += ["", "Goals:", ""]
         lines.append(_md_table(goals, ["goal", "target", "this run", "status"]))

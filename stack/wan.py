@@ -562,6 +562,23 @@ class Scenario:
 
 _S4 = s4_schedule()
 
+
+def changing_schedule(phase_s: float = 5.0) -> Schedule:
+    """A link that changes under running requests: LAN, then S1, then a 300 ms round trip, then
+    LAN again, `phase_s` seconds each, repeating. Latency changes both ways; bandwidth as in S1
+    during the S1 phase, unlimited otherwise."""
+    phases = [({"latency_ms": 0.25, "bandwidth_mbit": 0.0}, {"latency_ms": 0.25}),
+              ({"latency_ms": 25.0, "bandwidth_mbit": 20.0},
+               {"latency_ms": 25.0, "bandwidth_mbit": 200.0}),
+              ({"latency_ms": 150.0, "bandwidth_mbit": 0.0},
+               {"latency_ms": 150.0, "bandwidth_mbit": 0.0}),
+              ({"latency_ms": 0.25, "bandwidth_mbit": 0.0},
+               {"latency_ms": 0.25, "bandwidth_mbit": 0.0})]
+    steps = []
+    for k, (up, down) in enumerate(phases):
+        steps += [Step(k * phase_s, "up", up), Step(k * phase_s, "down", down)]
+    return Schedule(steps, period_s=len(phases) * phase_s)
+
 SCENARIOS: dict[str, Scenario] = {
     "lan": Scenario(LinkShape(latency_ms=0.25), LinkShape(latency_ms=0.25),
                     note="same rack: 0.25 ms one way, no bandwidth limit"),
@@ -572,6 +589,9 @@ SCENARIOS: dict[str, Scenario] = {
                    LinkShape(latency_ms=25.0, bandwidth_mbit=200.0), schedule=_S4,
                    note="PipeSD S4: uplink 10-80 Mbit/s changing every 20 s (seeded walk), "
                         "200 Mbit/s down, 25 ms one way"),
+    "changing": Scenario(LinkShape(latency_ms=0.25), LinkShape(latency_ms=0.25),
+                         schedule=changing_schedule(),
+                         note="changing: LAN, S1, 300 ms round trip, LAN, 5 s each, repeating"),
 }
 
 

@@ -83,3 +83,19 @@ def test_bad_costs_rejected():
         Costs(gamma_s=float("nan"), alpha_s=0, beta_s=0, rtt_s=0, verify_s=(0.1,))
     with pytest.raises(ValueError, match="verify_s"):
         Costs(gamma_s=0, alpha_s=0, beta_s=0, rtt_s=0, verify_s=())
+
+
+def test_a_changing_link_bounds_with_its_least_round_trip():
+    """The `changing` scenario runs LAN, S1, a 300 ms round trip and LAN again, each phase both
+    ways; the bound takes its least round trip (a bound with the S1 or the 300 ms figure could be
+    beaten during the LAN phases)."""
+    from bench.bench_spec import link_rtt_s
+    from stack.wan import SCENARIOS
+
+    sched = SCENARIOS["changing"].schedule
+    rtts = [sched.at(t)["up"]["latency_ms"] + sched.at(t)["down"]["latency_ms"]
+            for t in (1.0, 6.0, 11.0, 16.0, 21.0)]
+    assert rtts == [0.5, 50.0, 300.0, 0.5, 0.5]      # repeating every 20 s
+    assert sched.at(6.0)["up"]["bandwidth_mbit"] == 20.0 and sched.at(11.0)["up"]["bandwidth_mbit"] == 0
+    assert link_rtt_s("changing") == 0.0005
+    assert link_rtt_s("s1") == 0.05 and link_rtt_s("s2") == 0.05 and link_rtt_s("none") == 0.0
