@@ -582,7 +582,8 @@ def main(argv=None) -> int:
              "mode the cloud is one CPU core, where batching gains less than on a GPU, so "
              "FIFO's handicap is smaller than in DySCo's tables. "
              "`tandem bench spec|split|tuner|overhead|defaults --quick` runs a small version "
-             "of each (tests/integration/test_bench.py runs them in CI).", ""]
+             "of each (tests/integration/test_bench.py and test_bench_modes.py run them in "
+             "CI).", ""]
     for f in files:
         doc = json.loads(f.read_text())
         m = doc.get("machine", {})

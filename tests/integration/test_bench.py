@@ -1,45 +1,16 @@
-"""The benchmarks run green from a clean checkout (`tandem bench ... --quick`), write the JSON
-shape the results page reads (the field names) and a plot, and every output they checked
-was identical to the reference.  Slow: each starts its own services; together a few minutes."""
+"""The speculative benchmark and the tuner run green from a clean checkout (`tandem bench spec|tuner
+--quick`), write the JSON shape the results page reads (the field names) and a plot, and every
+output they checked was identical to the reference. Slow: each starts its own services. The
+other benches: test_bench_modes.py (a module each way, so the two xdist workers share them)."""
 
 from __future__ import annotations
-
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from bench import results_page
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests._bench import bench
 
 pytestmark = pytest.mark.slow
-
-
-def tandem_script() -> str:
-    """The `tandem` console script the README names, installed beside this interpreter."""
-    script = Path(sys.executable).parent / "tandem"
-    assert script.exists(), f"{script} missing: run scripts/setup.sh (pip install -e .)"
-    return str(script)
-
-
-def bench(tmp_path, name: str, *args: str) -> dict:
-    """`tandem bench NAME --quick ...` from the installed entry point, run from a directory
-    outside the checkout (nothing in bench/ may need tests/ or the working directory)."""
-    out = tmp_path / f"{name}.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}   # this checkout's code, wherever pip put it
-    r = subprocess.run([tandem_script(), "bench", name, "--quick", *args,
-                        "--plot", str(tmp_path / f"{name}.png")],
-                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, f"bench {name} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
-    assert (tmp_path / f"{name}.png").stat().st_size > 1000
-    doc = json.loads(out.read_text())
-    assert {"bench", "scenario", "machine", "results"} <= set(doc)
-    assert doc["machine"]["versions"]["torch"] and doc["command"]
-    return doc
 
 
 SPEC_FIELDS = {"policy", "tpt_ms", "ci95", "tuned_params", "tpt_over_bound", "cloud_s_per_token",
@@ -106,40 +77,3 @@ def test_bench_tuner_quick(tmp_path):
         assert by[name]["evaluations"] == 4 and len(by[name]["trace_ms"]) == 4
     assert all(r["identical_to_reference"] and r["tpt_ms"] > 0 for r in by.values())
     assert "re-measured" in results_page.tuner_section(doc, "tuner")
-
-
-def test_bench_split_quick(tmp_path):
-    doc = bench(tmp_path, "split", "--sections", "poisson", "--loads", "2",
-                "--schedulers", "fifo,dsb,cascade")
-    rows = [r for part in doc["results"] for r in part["rows"]]
-    assert {r["scheduler"] for r in rows} == {"fifo", "dsb", "cascade"}
-    for r in rows:
-        assert {"scheduler", "concurrency", "throughput_tok_s", "mean_latency_s",
-                "identical_to_reference"} <= set(r)
-        assert r["identical_to_reference"] is True and r["throughput_tok_s"] > 0
-    assert "cascade" in results_page.split_section(doc, "split")
-
-
-def test_bench_overhead_quick(tmp_path):
-    doc = bench(tmp_path, "overhead")
-    kinds = {r.get("kind") for r in doc["results"]}
-    assert {"transport", "e2e", "gateway_vs_sdk"} <= kinds
-
-
-def test_bench_defaults_quick(tmp_path):
-    """`tandem bench defaults --quick` runs the stack as `tandem up` plans it next to the
-    hand-set configuration (the full run adds the unplanned one), and reports every mode for
-    each, with ratios and intervals (a report, not a timed assertion)."""
-    doc = bench(tmp_path, "defaults")
-    rows = doc["results"]
-    assert {(r["mode"], r["config"]) for r in rows} == {
-        (m, c) for m in ("spec", "split", "cloud-only") for c in ("planned", "tuned")}
-    for r in rows:
-        assert r["tpt_ms"] > 0 and r["ttft_ms"] > 0 and r["n"] == 2
-        if r["config"] != "tuned":
-            lo, hi = r["tpt_ms_ratio_ci"]
-            assert r["tpt_ms_ratio"] > 0 and (lo != lo or lo <= hi)   # NaN or an interval
-    assert set(doc["plan"]) == {"planned"}
-    assert {"threads", "cpus", "env"} <= set(doc["plan"]["planned"]["verifier"])
-    assert len(doc["goals"]) == 4
-    assert "planned" in results_page.defaults_section(doc, "defaults")
