@@ -591,7 +591,7 @@ SCENARIOS: dict[str, Scenario] = {
                         "200 Mbit/s down, 25 ms one way"),
     "changing": Scenario(LinkShape(latency_ms=0.25), LinkShape(latency_ms=0.25),
                          schedule=changing_schedule(),
-                         note="changing: LAN, S1, 300 ms round trip, LAN, 5 s each, repeating"),
+                         note="LAN, S1, 300 ms round trip, LAN, 5 s each, repeating"),
 }
 
 
