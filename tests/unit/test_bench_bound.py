@@ -85,7 +85,7 @@ def test_bad_costs_rejected():
         Costs(gamma_s=0, alpha_s=0, beta_s=0, rtt_s=0, verify_s=())
 
 
-def test_a_changing_link_bounds_with_its_least_round_trip():
+def test_a_changing_link_bounds_with_its_least_round_trip(monkeypatch):
     """The `changing` scenario runs LAN, S1, a 300 ms round trip and LAN again, each phase both
     ways; the bound takes its least round trip (a bound with the S1 or the 300 ms figure could be
     beaten during the LAN phases)."""
@@ -98,4 +98,10 @@ def test_a_changing_link_bounds_with_its_least_round_trip():
     assert rtts == [0.5, 50.0, 300.0, 0.5, 0.5]      # repeating every 20 s
     assert sched.at(6.0)["up"]["bandwidth_mbit"] == 20.0 and sched.at(11.0)["up"]["bandwidth_mbit"] == 0
     assert link_rtt_s("changing") == 0.0005
+    # a link that starts slow and gets fast: the bound takes the fast phase, not the start
+    from stack.wan import LinkShape, Scenario, Schedule, Step
+    fast_later = Schedule([Step(5.0, "both", {"latency_ms": 1.0})], period_s=10.0)
+    monkeypatch.setitem(SCENARIOS, "slow-then-fast", Scenario(
+        LinkShape(latency_ms=150.0), LinkShape(latency_ms=150.0), schedule=fast_later))
+    assert link_rtt_s("slow-then-fast") == 0.002
     assert link_rtt_s("s1") == 0.05 and link_rtt_s("s2") == 0.05 and link_rtt_s("none") == 0.0
