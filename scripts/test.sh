@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # Set up Tandem with its test dependencies and run the whole test suite (what CI runs).
 # With no arguments: every module but the serial ones (tests/conftest.py SERIAL_MODULES) on two
-# pytest-xdist workers, a module per worker at a time, the longest first (tests/conftest.py
-# LONGEST_FIRST), then the serial ones alone. Extra arguments go to one plain pytest run
-# instead, e.g. `scripts/test.sh tests/unit -x`.
+# pytest-xdist workers, a module per worker at a time, then the serial ones alone. Extra
+# arguments go to one plain pytest run instead, e.g. `scripts/test.sh tests/unit -x`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # Debian tools the tests use: promtool (Prometheus config/metrics checks, live PromQL test).
@@ -21,6 +20,6 @@ if [[ $# -gt 0 ]]; then
   exec .venv/bin/python -m pytest "$@"
 fi
 rc=0
-.venv/bin/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder -m "not serial" || rc=$?
+.venv/bin/python -m pytest -n 2 --dist loadfile -m "not serial" || rc=$?
 .venv/bin/python -m pytest -m serial || rc=$?
 exit $rc

@@ -37,26 +37,10 @@ SERIAL_MODULES = {"test_wan", "test_faults", "test_load", "test_replicas_process
                   "test_observability"}
 
 
-# The two xdist workers take whole modules in the order collected (scripts/test.sh turns off
-# xdist's own order, most tests first, which put the few-but-long benchmark modules last, on one
-# worker, while the other sat idle). The longest modules go first, longest first, so the short
-# ones even out the end; then the other integration modules, then the unit modules. Ordered by
-# their measured seconds (setup included) in a run of the whole suite on two workers.
-LONGEST_FIRST = ["test_sampling_e2e", "test_bench_modes", "test_split_mode", "test_spec_mode",
-                 "test_bench", "test_chaos", "test_cli", "test_fuzz", "test_inprocess_stack",
-                 "test_gemma3_270m_modes", "test_api"]
-
-
-def module_rank(item) -> tuple[int, bool]:
-    rank = LONGEST_FIRST.index(item.path.stem) if item.path.stem in LONGEST_FIRST else len(LONGEST_FIRST)
-    return rank, item.path.parent.name != "integration"
-
-
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.stem in SERIAL_MODULES:
             item.add_marker(pytest.mark.serial)
-    items.sort(key=module_rank)   # stable: a module's tests keep their order, and stay together
 
 
 def long_prompt(tokenizer, n_tokens: int = 1100) -> list[int]:

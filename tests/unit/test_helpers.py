@@ -114,28 +114,3 @@ def test_a_missing_tool_fails_under_ci_and_skips_locally(monkeypatch, ci, outcom
     monkeypatch.setenv("CI", ci)
     with pytest.raises(outcome, match=r"frobnicator not installed \(apt-get install frobnicator\)"):
         need_tool("frobnicator", "apt-get install frobnicator")
-
-
-def test_the_suite_order_names_real_modules_and_runs_the_longest_first():
-    """tests/conftest.py's order for the xdist workers: every module it names exists and is not a
-    serial one (a renamed module would silently drop to the end), and items sort by it with each
-    module's tests kept together in their own order."""
-    from pathlib import Path
-    from types import SimpleNamespace
-
-    from tests.conftest import LONGEST_FIRST, SERIAL_MODULES, pytest_collection_modifyitems
-
-    here = Path(__file__).resolve().parents[1]
-    stems = {p.stem for p in here.glob("*/test_*.py")}
-    assert set(LONGEST_FIRST) <= stems - SERIAL_MODULES, set(LONGEST_FIRST) - stems
-    assert len(set(LONGEST_FIRST)) == len(LONGEST_FIRST)
-
-    def item(folder, stem, name):
-        return SimpleNamespace(path=here / folder / f"{stem}.py", name=name,
-                               add_marker=lambda mark: None)
-
-    items = [item("unit", "test_protocol", "a"), item("integration", "test_k8s", "b"),
-             item("integration", LONGEST_FIRST[1], "c"), item("integration", LONGEST_FIRST[0], "d"),
-             item("integration", LONGEST_FIRST[1], "e")]
-    pytest_collection_modifyitems(None, items)
-    assert [i.name for i in items] == ["d", "c", "e", "b", "a"]
