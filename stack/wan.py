@@ -563,34 +563,31 @@ class Scenario:
 _S4 = s4_schedule()
 
 
+LAN = LinkShape(latency_ms=0.25)                       # same rack, no bandwidth limit
+S1_UP = LinkShape(latency_ms=25.0, bandwidth_mbit=20.0)   # PipeSD's S1
+S1_DOWN = LinkShape(latency_ms=25.0, bandwidth_mbit=200.0)
+
+
 def changing_schedule(phase_s: float = 5.0) -> Schedule:
     """A link that changes under running requests: LAN, then S1, then a 300 ms round trip, then
-    LAN again, `phase_s` seconds each, repeating. Latency changes both ways; bandwidth as in S1
-    during the S1 phase, unlimited otherwise."""
-    phases = [({"latency_ms": 0.25, "bandwidth_mbit": 0.0}, {"latency_ms": 0.25}),
-              ({"latency_ms": 25.0, "bandwidth_mbit": 20.0},
-               {"latency_ms": 25.0, "bandwidth_mbit": 200.0}),
-              ({"latency_ms": 150.0, "bandwidth_mbit": 0.0},
-               {"latency_ms": 150.0, "bandwidth_mbit": 0.0}),
-              ({"latency_ms": 0.25, "bandwidth_mbit": 0.0},
-               {"latency_ms": 0.25, "bandwidth_mbit": 0.0})]
-    steps = []
-    for k, (up, down) in enumerate(phases):
-        steps += [Step(k * phase_s, "up", up), Step(k * phase_s, "down", down)]
+    LAN again, `phase_s` seconds each, repeating. Each phase sets both directions' latency and
+    bandwidth (S1's during the S1 phase, unlimited otherwise)."""
+    far = LinkShape(latency_ms=150.0)
+    phases = [(LAN, LAN), (S1_UP, S1_DOWN), (far, far), (LAN, LAN)]
+    steps = [Step(k * phase_s, direction,
+                  {"latency_ms": shape.latency_ms, "bandwidth_mbit": shape.bandwidth_mbit})
+             for k, pair in enumerate(phases) for direction, shape in zip(("up", "down"), pair)]
     return Schedule(steps, period_s=len(phases) * phase_s)
 
+
 SCENARIOS: dict[str, Scenario] = {
-    "lan": Scenario(LinkShape(latency_ms=0.25), LinkShape(latency_ms=0.25),
-                    note="same rack: 0.25 ms one way, no bandwidth limit"),
-    "s1": Scenario(LinkShape(latency_ms=25.0, bandwidth_mbit=20.0),
-                   LinkShape(latency_ms=25.0, bandwidth_mbit=200.0),
-                   note="PipeSD S1: 20 Mbit/s up, 200 Mbit/s down, 25 ms one way"),
+    "lan": Scenario(LAN, LAN, note="same rack: 0.25 ms one way, no bandwidth limit"),
+    "s1": Scenario(S1_UP, S1_DOWN, note="PipeSD S1: 20 Mbit/s up, 200 Mbit/s down, 25 ms one way"),
     "s4": Scenario(LinkShape(latency_ms=25.0, bandwidth_mbit=_S4.at(0)["up"]["bandwidth_mbit"]),
-                   LinkShape(latency_ms=25.0, bandwidth_mbit=200.0), schedule=_S4,
+                   S1_DOWN, schedule=_S4,
                    note="PipeSD S4: uplink 10-80 Mbit/s changing every 20 s (seeded walk), "
                         "200 Mbit/s down, 25 ms one way"),
-    "changing": Scenario(LinkShape(latency_ms=0.25), LinkShape(latency_ms=0.25),
-                         schedule=changing_schedule(),
+    "changing": Scenario(LAN, LAN, schedule=changing_schedule(),
                          note="LAN, S1, 300 ms round trip, LAN, 5 s each, repeating"),
 }
 
