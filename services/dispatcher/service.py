@@ -250,6 +250,12 @@ class Dispatcher(Service):
             # resubmits at once is never refused by its own finished request
             self.requests.pop(key, None)
             self.quota.release(req.client, req.quota)
+            if req.tokens and outcome == "ok":
+                # before the reply: the client's next request is chosen with this one's figures
+                try:   # every mode's figures teach auto; a figure it cannot use ends nothing
+                    self.auto.observe(self, reply.stats)
+                except (KeyError, TypeError, ValueError):
+                    self.log.exception("auto: request %s taught nothing", req.sid)
             if isinstance(reply, tuple):
                 await self.error(req.ident, req.msg, *reply)
             elif reply is not None:
@@ -260,10 +266,6 @@ class Dispatcher(Service):
                 total = time.monotonic() - req.start
                 metrics.E2E.labels(*labels).observe(total)
                 metrics.TPT.labels(*labels).observe(total / len(req.tokens))
-                try:   # every mode's figures teach auto; a figure it cannot use ends nothing
-                    self.auto.observe(self, reply.stats)
-                except (KeyError, TypeError, ValueError):
-                    self.log.exception("auto: request %s taught nothing", req.sid)
 
     async def need(self, peer, req: Request) -> None:
         """Wait (bounded by the request's deadline) for a peer to be up."""

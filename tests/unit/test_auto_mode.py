@@ -113,14 +113,18 @@ def test_seeded_gumbel_sampling_gives_the_same_tokens_whatever_auto_chooses(stac
 @pytest.fixture
 def switching_every_4_tokens(stack):
     """Predictions far below any live pace, so every recheck (every 4 tokens) switches: the
-    request alternates between spec and cloud-only. The estimates are restored after."""
+    request alternates between spec and cloud-only. A finished request feeds its real pace into
+    the estimates, so the test pins them again before each request (the fixture's value); they
+    are restored after."""
     d = stack.stack.services["dispatcher"]
     e, cfg = d.auto.estimates, d.cfg.auto
     saved = e.t_dec, dict(e.spec), cfg.switch_every
-    e.t_dec, cfg.switch_every = 1e-6, 4
-    e.spec["pipesd"] = SpecFigures(acceptance=0.7, draft_len=6, forwards_per_token=0.3,
-                                   calibration=1e-6)
-    yield
+
+    def pin():
+        e.t_dec, cfg.switch_every = 1e-6, 4
+        e.spec["pipesd"] = SpecFigures(acceptance=0.7, draft_len=6, forwards_per_token=0.3,
+                                       calibration=1e-6)
+    yield pin
     e.t_dec, e.spec, cfg.switch_every = saved
 
 
@@ -146,6 +150,7 @@ def test_switching_mid_request_keeps_the_cache_and_greedy_and_seeded_output_exac
     n = 20
     before = _switches()
     prefilled, drafter_opens = _prefilled("verifier"), _drafter_opens()
+    switching_every_4_tokens()
     r = stack.complete(list(ids), max_tokens=n, stop_at_eos=False, deadline_s=120, mode="auto")
     assert r.token_ids == reference(ids, n)
     modes = [s["mode"] for s in r.stats.segments]
@@ -160,6 +165,7 @@ def test_switching_mid_request_keeps_the_cache_and_greedy_and_seeded_output_exac
     assert modes.count("spec") >= 2 and _drafter_opens() - drafter_opens == 1
     assert not r.stats.drafter_lost and r.stats.accepted_tokens > 0   # and it drafted on
     sampled = dict(temperature=0.8, seed=5, sampling_coupling="gumbel")
+    switching_every_4_tokens()
     switched = stack.complete(list(ids), max_tokens=n, stop_at_eos=False, deadline_s=120,
                               mode="auto", **sampled)
     assert len(switched.stats.segments) >= 3
