@@ -8,7 +8,8 @@ its metrics carry the chosen mode, and its Done.stats say why (`auto`, `segments
 
 Switching. A request that starts speculative (a chain policy) or cloud-only, with the other of
 the two among its candidates, runs as stretches (`run`): every `auto_switch_every` tokens the
-running stretch asks auto_policy.recheck; on a switch it stops at a token boundary and leaves
+running stretch asks auto_policy.recheck (at once when the link's round trip moved,
+auto_policy.link_moved); on a switch it stops at a token boundary and leaves
 its verifier session open, and the next stretch opens with `adopt` naming it (protocol ADOPT):
 the verifier keeps the KV cache of the committed tokens and prefills only the last one or two.
 Switching to cloud-only, the verifier decodes on from there, and the drafter session stays
@@ -156,9 +157,10 @@ class Auto:
                 began = time.monotonic()
                 verdict: list[Switch] = []
                 window: list[tuple[int, float]] = []   # where the live figure's window starts
+                judged_rtt: list[float] = []           # the round trip it was last judged on
 
                 def due(current=current, other=other, start=start, segment=segment,
-                        verdict=verdict, window=window,
+                        verdict=verdict, window=window, judged_rtt=judged_rtt,
                         opening=prefill if why == auto_policy.CLOUD_FIRST else None) -> bool:
                     n, now = len(req.tokens), time.monotonic()
                     segment["tokens"] = n - start
@@ -168,17 +170,24 @@ class Auto:
                         if opening.result() is not None and req.max_tokens - n > 1:
                             verdict.append(Switch(other, auto_policy.SWITCH_DRAFTER_READY))
                             return True
+                    link = self.link(d)
                     if not window:   # the stretch's first token (its prefill) is not its pace
                         window.append((n, now))
+                        judged_rtt.append(link.rtt_s)
                         return False
                     n0, t0 = window[0]
-                    if n - n0 < cfg.switch_every:
+                    moved = (n - start >= auto_policy.MIN_STRETCH_TOKENS and auto_policy.link_moved(
+                        judged_rtt[0], link.rtt_s, cfg.link_move))
+                    if n - n0 < cfg.switch_every and not moved:
                         return False
-                    window[0] = (n, now)
+                    live = (now - t0) / (n - n0) if n > n0 else math.nan
+                    if moved:
+                        live = auto_policy.pace_on_new_link(current, live, self.estimates, link)
+                    window[0], judged_rtt[0] = (n, now), link.rtt_s
                     pace = slo if slo is None else auto_policy.remaining_pace(
                         slo, now - req.first_token_at, n - 1, req.max_tokens - n)
-                    v = auto_policy.recheck(current, other, (now - t0) / (n - n0),
-                                            self.estimates, self.link(d), pace, cfg.hysteresis)
+                    v = auto_policy.recheck(current, other, live, self.estimates, link, pace,
+                                            cfg.hysteresis)
                     if isinstance(v, Switch):
                         verdict.append(v)
                         return True

@@ -40,7 +40,12 @@ fraction (no target), or meet the target the current stretch misses, or, both me
 that fraction less cloud work. Under a target, "meet" is judged on what is left of the request's
 budget (`remaining_pace`): a stretch that fell behind must be made up by the rest; a lead is
 kept (the target is never loosened mid-request). A stretch lasts N tokens at least, so the
-figures it is judged by are its own and no request flaps faster than every N tokens.
+figures it is judged by are its own and no request flaps faster than every N tokens. A link that
+moves under a running request (its heartbeat round trip past `link_move` of the one the stretch
+was last judged on, `link_moved`) is rechecked at once, a stretch of MIN_STRETCH_TOKENS tokens
+or more: a speculative stretch is then judged by its prediction on the new link, not by the
+pace it kept on the old one (`pace_on_new_link`). Each move is judged once, so switches stay
+as rare as the link's moves, which heartbeats see at most every few seconds.
 
 Cold start. Before cloud-only has a measured t_dec, there is nothing to compare with: cloud-only
 is chosen (on this machine it has the earliest first token and is never slower per token). A
@@ -371,6 +376,30 @@ def remaining_pace(slo_s: float, spent_s: float, tokens: int, left: int) -> floa
     if left <= 0:
         return slo_s
     return min(slo_s, max(0.0, (slo_s * (tokens + left) - spent_s) / left))
+
+
+# round-trip moves under this are jitter, not a new link (a LAN's round trip is under 1 ms)
+LINK_MOVE_FLOOR_S = 0.005
+
+
+def link_moved(judged_rtt_s: float, rtt_s: float, threshold: float) -> bool:
+    """The round trip moved past `threshold` (a fraction of `judged_rtt_s`, the one the running
+    stretch was last judged on) and past LINK_MOVE_FLOOR_S: the link changed under the request."""
+    if not (threshold > 0 and math.isfinite(judged_rtt_s) and math.isfinite(rtt_s)):
+        return False
+    return abs(rtt_s - judged_rtt_s) > max(LINK_MOVE_FLOOR_S, threshold * judged_rtt_s)
+
+
+def pace_on_new_link(current: Candidate, live_tpt_s: float, e: Estimates, link: Link) -> float:
+    """What the running stretch is judged by once the link moved. Speculation's measured pace
+    belongs to the link that is gone (it pays a round trip per round): its prediction on the new
+    link. Cloud-only's does not depend on the link (tokens stream): its own measured pace, or
+    its prediction if it has none yet."""
+    if current.mode == "spec" or not live_tpt_s > 0:
+        p = predict(current, e, link)
+        if p is not None:
+            return p.tpt_s
+    return live_tpt_s
 
 
 def recheck(current: Candidate, other: Candidate, live_tpt_s: float, e: Estimates, link: Link,

@@ -78,6 +78,10 @@ class AutoConfig:
             "(switching keeps the verifier's cache); 0 = never switch", ge=0)
     hysteresis: float = setting(
         0.2, "switch only for a gain of this fraction (time per token, or cloud work)", ge=0, lt=1)
+    link_move: float = setting(
+        0.5, "re-decide a running request at once when the link's round trip moves by more "
+             "than this fraction (and 5 ms) since it was last judged; 0 = only every "
+             "auto_switch_every tokens", ge=0)
     cloud_first: bool = setting(
         True, "a request chosen for a spec policy starts cloud-only while the drafter prefills "
               "its prompt, and switches when the drafter is ready: its first token does not wait "

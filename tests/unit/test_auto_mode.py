@@ -6,6 +6,9 @@ field. One stack for the module: its estimates start empty, so the first choices
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+
 import pytest
 from prometheus_client import REGISTRY
 
@@ -172,6 +175,45 @@ def test_switching_mid_request_keeps_the_cache_and_greedy_and_seeded_output_exac
     cloud = stack.complete(list(ids), max_tokens=n, stop_at_eos=False, deadline_s=120,
                            mode="cloud-only", **sampled)
     assert switched.token_ids == cloud.token_ids
+
+
+@pytest.fixture
+def link_far_after_3_looks(stack, monkeypatch):
+    """The dispatcher's link figures as measured, until auto has looked at them three times;
+    from then on a 10 s round trip: the link moves under a running request."""
+    d = stack.stack.services["dispatcher"]
+    measured_link, looks = d.auto.link, []
+
+    def link(d):
+        looks.append(1)
+        real = measured_link(d)
+        return real if len(looks) <= 3 else dataclasses.replace(real, rtt_s=10.0)
+    monkeypatch.setattr(d.auto, "link", link)
+    return looks
+
+
+def test_a_link_that_moves_under_a_request_is_rechecked_at_once(
+        stack, ids, reference, no_exploring, link_far_after_3_looks):
+    """No recheck is due by tokens (every 1000), so only the link's move can switch it: on the
+    new link a round trip per round makes speculation far slower than cloud-only. The
+    estimates (which this request teaches on the made-up link) are restored after."""
+    d = stack.stack.services["dispatcher"]
+    e, cfg = d.auto.estimates, d.cfg.auto
+    saved, switch_every = copy.deepcopy(e), cfg.switch_every
+    e.t_dec, cfg.switch_every = 0.2, 1000
+    e.spec["pipesd"] = SpecFigures(acceptance=0.7, draft_len=6, forwards_per_token=0.3,
+                                   calibration=1.0)
+    try:
+        n = 24
+        r = stack.complete(list(ids), max_tokens=n, stop_at_eos=False, deadline_s=120,
+                           mode="auto")
+    finally:
+        d.auto.estimates, cfg.switch_every = saved, switch_every
+    assert r.token_ids == reference(ids, n)
+    assert [s["mode"] for s in r.stats.segments] == ["spec", "cloud-only"], r.stats.segments
+    assert r.stats.segments[1]["why"] == auto_policy.SWITCH_FASTER
+    assert r.stats.segments[0]["tokens"] >= auto_policy.MIN_STRETCH_TOKENS
+    assert len(link_far_after_3_looks) > 3          # the move was seen, not assumed
 
 
 def test_a_verifier_refuses_to_adopt_a_session_it_does_not_hold(stack, ids):

@@ -243,3 +243,25 @@ def test_a_request_run_as_one_mode_is_timed_after_its_first_token():
     short = {"mode": "cloud-only", "ttft_s": 0.1, "generated_tokens": 3,
              "segments": [_seg("cloud-only", 3, 0.14)]}
     assert ap.stretches(short) == []
+
+
+def test_a_link_move_is_past_its_fraction_and_the_jitter_floor():
+    assert ap.link_moved(0.05, 0.30, 0.5) and ap.link_moved(0.30, 0.05, 0.5)   # S1 <-> 300 ms
+    assert not ap.link_moved(0.05, 0.07, 0.5)                                  # 40 %: no move
+    assert not ap.link_moved(0.0005, 0.003, 0.5)     # 6x, but under the floor: LAN jitter
+    assert ap.link_moved(0.0005, 0.05, 0.5)          # LAN -> S1
+    assert not ap.link_moved(0.05, 0.30, 0.0)        # 0: switching every N tokens only
+    assert not ap.link_moved(math.nan, 0.30, 0.5) and not ap.link_moved(0.05, math.nan, 0.5)
+
+
+def test_after_a_link_move_speculation_is_judged_on_the_new_link():
+    e = measured(t_dec=0.05, spec_tpt=0.03)
+    far = Link(rtt_s=0.3, alpha_s=LINK.alpha_s, beta_s=LINK.beta_s, gamma_s=LINK.gamma_s)
+    # its pace on the old link would keep it; its prediction on the new one sends it away
+    assert ap.recheck(PIPESD, CLOUD_ONLY, 0.03, e, far) == ap.STAY
+    pace = ap.pace_on_new_link(PIPESD, 0.03, e, far)
+    assert pace == ap.predict(PIPESD, e, far).tpt_s > 0.3 / 7   # a round trip per round
+    assert ap.recheck(PIPESD, CLOUD_ONLY, pace, e, far) == ap.Switch(CLOUD_ONLY, ap.SWITCH_FASTER)
+    # cloud-only streams: its own pace stands (its prediction when it has none)
+    assert ap.pace_on_new_link(CLOUD_ONLY, 0.06, e, far) == 0.06
+    assert ap.pace_on_new_link(CLOUD_ONLY, math.nan, e, far) == 0.05
