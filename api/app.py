@@ -433,11 +433,11 @@ class Gateway:
         self._token_strs: dict[int, str] = {}
 
     async def start(self) -> None:
-        from common import models
+        from common import models, tokenizer
         from tandem.client import AsyncClient
 
         path = models.resolve_target(self.cfg.target)
-        self.tokenizer = await asyncio.to_thread(_load_tokenizer, path)
+        self.tokenizer = await asyncio.to_thread(tokenizer.load, path)
         self.supports_tools = tools.supports_tools(self.tokenizer)
         self.model_ids = tuple(dict.fromkeys((self.cfg.model, Path(path).name)))
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError, AttributeError):
@@ -673,11 +673,6 @@ class Run:
         if self.tokens:
             metrics.TPT.labels(self.route, mode).observe(
                 (time.monotonic() - self.t0) / self.tokens)
-
-
-def _load_tokenizer(path):
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(path))
 
 
 async def read_body(request: Request, limit: int) -> dict:

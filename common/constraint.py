@@ -102,9 +102,10 @@ def hf_tokenizer(path: str, n_vocab: int):
     """The llguidance tokenizer of a transformers model directory, with the model's logits
     width (it may exceed the tokenizer's: padding rows are never allowed). ~0.5 s: cached."""
     import llguidance.hf
-    from transformers import AutoTokenizer
 
-    return llguidance.hf.from_tokenizer(AutoTokenizer.from_pretrained(path), n_vocab=n_vocab)
+    from common import tokenizer
+
+    return llguidance.hf.from_tokenizer(tokenizer.load(path), n_vocab=n_vocab)
 
 
 def llama_tokenizer(llama):

@@ -49,13 +49,11 @@ class Dispatcher(Service):
         self.route(protocol.Cancel, self.on_cancel)
 
     async def setup(self) -> None:
-        from transformers import AutoTokenizer
-
-        from common import models
+        from common import models, tokenizer
 
         self.delegates = security.load_delegates(self.cfg.client_delegates)
         path = models.resolve_target(self.cfg.target)
-        self.tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(path))
+        self.tokenizer = await asyncio.to_thread(tokenizer.load, path)
         self.eos_token_id = self.tokenizer.eos_token_id
         # the label sets known now, at 0
         metrics.declare_dispatcher(self.name, {name: list(m.policies)
