@@ -60,9 +60,12 @@ def _write(records: dict[str, str]) -> None:
     with contextlib.suppress(OSError):
         out.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".json", dir=out.parent)
-        with os.fdopen(fd, "w") as f:
-            json.dump(records, f, indent=0)
-        os.replace(tmp, out)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(records, f, indent=0)
+            os.replace(tmp, out)
+        finally:
+            Path(tmp).unlink(missing_ok=True)   # left only where the write failed
 
 
 def _recorded_class(name: str):

@@ -93,3 +93,17 @@ def test_an_edited_tokenizer_config_is_resolved_again(records, tmp_path, monkeyp
     assert want is not first   # the edit matters to AutoTokenizer
     assert type(tokenizer.load(path)) is want
     assert len(json.loads(records.read_text())) == 2
+
+
+def test_an_unusable_record_is_resolved_again(records):
+    """A record file that is not JSON, or names a class that does not import, is only a missed
+    shortcut: the load resolves with AutoTokenizer and records the class it picked."""
+    path = _model_dir("smollm2-135m")
+    records.parent.mkdir(parents=True)
+    records.write_text("{not json")
+    want = type(tokenizer.load(path))
+    records.write_text(json.dumps({tokenizer.record_key(path): "no_such_module:Tokenizer"}))
+    assert type(tokenizer.load(path)) is want
+    assert json.loads(records.read_text()) == {
+        tokenizer.record_key(path): f"{want.__module__}:{want.__qualname__}"}
+    assert [p.name for p in records.parent.iterdir()] == [records.name]   # no temporary left
